@@ -1,0 +1,432 @@
+"""Shared pieces of the benchmarks: timing rounds, medians, tables, temp databases.
+
+Every benchmark compares bagstore with the raw DB-API baseline doing the same
+work in the same process, round by round (interleaved, the order alternating),
+so that the *ratio* holds on a noisy machine even when the absolute figures
+drift.  A round runs a fixed number of operations over inputs prepared outside
+the timed loop; the figure quoted is the median over rounds.
+
+    >>> median_rate([100.0, 300.0, 200.0])
+    200.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import sqlite3
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bagstore.backends.mysql import INIT_COMMAND
+from bagstore.ids import new_id
+
+__all__ = [
+    "MYSQL_HOST",
+    "MYSQL_PORT",
+    "MYSQL_USER",
+    "Result",
+    "Work",
+    "compare",
+    "friendfeed_entity",
+    "machine_info",
+    "median_rate",
+    "mysql_available",
+    "mysql_connect",
+    "mysql_url",
+    "print_table",
+    "temp_databases",
+]
+
+MYSQL_HOST = os.environ.get("BAGSTORE_BENCH_MYSQL_HOST", "127.0.0.1")
+MYSQL_PORT = int(os.environ.get("BAGSTORE_BENCH_MYSQL_PORT", "3306"))
+MYSQL_USER = os.environ.get("BAGSTORE_BENCH_MYSQL_USER", "root")
+MYSQL_PASSWORD = os.environ.get("BAGSTORE_BENCH_MYSQL_PASSWORD", "")
+
+_TITLE = "How FriendFeed uses MySQL to store schema-less data, and why that still works today"
+
+
+def friendfeed_entity(user_id: bytes | None = None, published: int | None = None) -> dict[str, Any]:
+    """A ~300-byte FriendFeed-style entity (16-byte id, user_id bytes, title,
+    a unique link, published as an int, a list of tags)."""
+    entity_id = new_id()
+    return {
+        "id": entity_id,
+        "user_id": user_id if user_id is not None else os.urandom(16),
+        "title": _TITLE,
+        "link": "https://backchannel.org/blog/friendfeed-schemaless-mysql?e=" + entity_id.hex(),
+        "published": published if published is not None else time.time_ns() // 1000,
+        "tags": ["mysql", "python", "schemaless", "sharding", "friendfeed", "indexes"],
+    }
+
+
+# -- timing ------------------------------------------------------------------------
+
+
+@dataclass
+class Work:
+    """One unit of work measured on both sides.
+
+    ``bag`` and ``raw`` each take one prepared input; ``inputs(n, side)`` makes
+    ``n`` inputs for one round of that side (``"bag"`` or ``"raw"``), outside the
+    timed loop; ``units`` is how many entities one call handles (500 for a
+    ``put_many`` of 500), so that rates are entities per second.
+    """
+
+    name: str
+    bag: Callable[[Any], object]
+    raw: Callable[[Any], object]
+    inputs: Callable[[int, str], Sequence[Any]]
+    units: int = 1
+
+
+@dataclass
+class Sample:
+    rate: float  # units per second over the round
+    p50: float  # median latency of one call, seconds
+
+
+@dataclass
+class Result:
+    """Medians over rounds for one work on one backend."""
+
+    work: str
+    backend: str
+    bag: list[Sample]
+    raw: list[Sample]
+    target: str = ""
+    met: bool | None = None
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bag_rate(self) -> float:
+        return median_rate([s.rate for s in self.bag])
+
+    @property
+    def raw_rate(self) -> float:
+        return median_rate([s.rate for s in self.raw])
+
+    @property
+    def bag_p50(self) -> float:
+        return statistics.median(s.p50 for s in self.bag)
+
+    @property
+    def raw_p50(self) -> float:
+        return statistics.median(s.p50 for s in self.raw)
+
+    @property
+    def ratio(self) -> float:
+        """Median of the per-round ratios (each bagstore round against the raw
+        round next to it): steadier than the ratio of the medians."""
+        return statistics.median(b.rate / r.rate for b, r in zip(self.bag, self.raw, strict=True))
+
+
+def median_rate(rates: Sequence[float]) -> float:
+    return float(statistics.median(rates))
+
+
+def _run_round(fn: Callable[[Any], object], inputs: Sequence[Any], units: int) -> Sample:
+    latencies = []
+    clock = time.perf_counter
+    start = clock()
+    for item in inputs:
+        t0 = clock()
+        fn(item)
+        latencies.append(clock() - t0)
+    elapsed = clock() - start
+    return Sample(len(inputs) * units / elapsed, statistics.median(latencies))
+
+
+def _calibrate(work: Work, seconds: float, min_ops: int, max_ops: int) -> int:
+    """How many calls make a round of about ``seconds`` on the slower side."""
+    slowest = float("inf")
+    for side, fn in (("bag", work.bag), ("raw", work.raw)):
+        n, spent = 4, 0.0
+        while spent < seconds / 4 and n <= max_ops:
+            inputs = work.inputs(n, side)
+            t0 = time.perf_counter()
+            for item in inputs:
+                fn(item)
+            spent = time.perf_counter() - t0
+            n *= 4
+        slowest = min(slowest, (n // 4) / max(spent, 1e-9))
+    return max(min_ops, min(max_ops, int(slowest * seconds)))
+
+
+def compare(
+    work: Work,
+    backend: str,
+    *,
+    rounds: int,
+    seconds: float,
+    min_ops: int = 20,
+    max_ops: int = 200_000,
+) -> Result:
+    """Time ``work`` on both sides: a warm-up, then ``rounds`` interleaved
+    rounds of the same number of calls, bagstore first in even rounds, raw
+    first in odd ones."""
+    n = _calibrate(work, seconds, min_ops, max_ops)
+    bag: list[Sample] = []
+    raw: list[Sample] = []
+    for i in range(rounds):
+        order = [("bag", work.bag, bag), ("raw", work.raw, raw)]
+        if i % 2:
+            order.reverse()
+        for side, fn, out in order:
+            inputs = work.inputs(n, side)
+            out.append(_run_round(fn, inputs, work.units))
+    return Result(work.name, backend, bag, raw)
+
+
+# -- printing ------------------------------------------------------------------------
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+
+
+def _met(met: bool | None) -> str:
+    return "—" if met is None else ("yes" if met else "NO")
+
+
+HEADERS = ["work", "backend", "bagstore ops/s", "raw ops/s", "ratio", "target", "met?"]
+
+
+def table_rows(results: Sequence[Result]) -> list[list[str]]:
+    return [
+        [
+            r.work,
+            r.backend,
+            _fmt_rate(r.bag_rate),
+            _fmt_rate(r.raw_rate),
+            f"{r.ratio:.2f}",
+            r.target,
+            _met(r.met),
+        ]
+        for r in results
+    ]
+
+
+def print_table(
+    title: str,
+    results: Sequence[Result],
+    *,
+    fmt: str = "rich",
+    headers: Sequence[str] = HEADERS,
+    rows: Sequence[Sequence[str]] | None = None,
+) -> None:
+    """Print results as a rich table, a plain one, or Markdown (``fmt``)."""
+    body = [list(r) for r in rows] if rows is not None else table_rows(results)
+    if fmt == "rich":
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            fmt = "plain"
+        else:
+            table = Table(title=title)
+            for i, h in enumerate(headers):
+                table.add_column(h, justify="left" if i < 2 else "right", no_wrap=True)
+            for row in body:
+                table.add_row(*row)
+            console = Console()
+            if not console.is_terminal:  # piped: do not wrap at 80 columns
+                console = Console(width=200)
+            console.print(table)
+            return
+    if fmt == "markdown":
+        print(f"\n**{title}**\n")
+        print("| " + " | ".join(headers) + " |")
+        print("|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|")
+        for row in body:
+            print("| " + " | ".join(row) + " |")
+        print()
+        return
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(headers)]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    for row in body:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    print()
+
+
+# -- MariaDB -------------------------------------------------------------------------
+
+
+def _driver_module(driver: str) -> Any:
+    if driver == "pymysql":
+        import pymysql
+
+        return pymysql
+    if driver == "mysqlclient":
+        import MySQLdb
+
+        return MySQLdb
+    raise ValueError(f"unknown driver {driver!r}")
+
+
+def mysql_connect(database: str | None = None, *, driver: str = "pymysql") -> Any:
+    """A raw DB-API connection with the session settings bagstore uses
+    (autocommit, utf8mb4, UTC, strict sql_mode, ``_binary`` prefix)."""
+    args: dict[str, Any] = {
+        "host": MYSQL_HOST,
+        "port": MYSQL_PORT,
+        "user": MYSQL_USER,
+        "password": MYSQL_PASSWORD,
+        "charset": "utf8mb4",
+        "autocommit": True,
+        "init_command": INIT_COMMAND,
+        "binary_prefix": True,
+    }
+    if database is not None:
+        args["database"] = database
+    return _driver_module(driver).connect(**args)
+
+
+def mysql_url(database: str, *, driver: str = "pymysql") -> str:
+    auth = MYSQL_USER + (f":{MYSQL_PASSWORD}" if MYSQL_PASSWORD else "")
+    return f"mysql://{auth}@{MYSQL_HOST}:{MYSQL_PORT}/{database}?driver={driver}"
+
+
+def mysql_available() -> bool:
+    try:
+        mysql_connect().close()
+    except Exception:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def temp_databases(n: int, prefix: str = "bagbench") -> Iterator[list[str]]:
+    """``n`` freshly created, uniquely named databases, dropped afterwards."""
+    tag = uuid.uuid4().hex[:10]
+    names = [f"{prefix}_{tag}_{i}" for i in range(n)]
+    conn = mysql_connect()
+    try:
+        cur = conn.cursor()
+        for name in names:
+            cur.execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")
+        yield names
+    finally:
+        with contextlib.suppress(Exception):
+            conn.ping(True)
+        cur = conn.cursor()
+        for name in names:
+            cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        conn.close()
+
+
+def machine_info() -> dict[str, str]:
+    info = {
+        "cpus": str(os.cpu_count()),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "sqlite": sqlite3.sqlite_version,
+        "load average": "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
+    }
+    try:
+        conn = mysql_connect()
+        cur = conn.cursor()
+        cur.execute("SELECT VERSION(), @@innodb_flush_log_at_trx_commit")
+        version, flush = cur.fetchone()
+        conn.close()
+        info["mariadb"] = f"{version} (innodb_flush_log_at_trx_commit={flush})"
+    except Exception as exc:
+        info["mariadb"] = f"unavailable ({exc})"
+    return info
+
+
+def print_machine(fmt: str) -> None:
+    info = machine_info()
+    line = ", ".join(f"{k} {v}" for k, v in info.items())
+    print(f"machine: {line}" if fmt != "markdown" else f"_machine: {line}_")
+
+
+# -- environments: bagstore over N shards beside one raw database ------------------------
+
+
+@dataclass
+class Env:
+    """A bagstore datastore and a raw DB-API connection to one database holding
+    the same tables (``raw_ddl``), on one backend."""
+
+    label: str  # e.g. "sqlite", "mariadb/pymysql"
+    dialect: Any  # bagstore's Dialect for this backend
+    ds: Any  # bagstore.Datastore
+    raw: Any  # DB-API connection (autocommit)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def cursor(self) -> Any:
+        return self.raw.cursor()
+
+
+@contextlib.contextmanager
+def open_env(
+    backend: str,
+    *,
+    shards: int = 4,
+    indexes: Sequence[Any] = (),
+    raw_ddl: Callable[[Any], list[str]] | None = None,
+    driver: str = "pymysql",
+    extra_stores: dict[str, tuple[int, Sequence[Any], dict[str, Any]]] | None = None,
+) -> Iterator[Env]:
+    """Open bagstore over ``shards`` fresh databases (SQLite files in a temp
+    directory, or MariaDB databases) and one raw database with the tables
+    ``raw_ddl(dialect)`` lists; everything is removed afterwards.
+
+    ``extra_stores`` (``{name: (shards, indexes, keywords)}``) opens more
+    datastores in ``env.extra[name]``, each on its own fresh databases.
+    """
+    import tempfile
+
+    import bagstore
+    from bagstore.backends.mysql import MySQLDialect
+    from bagstore.backends.sqlite import SQLiteDialect
+
+    extra_stores = extra_stores or {}
+    with contextlib.ExitStack() as stack:
+        if backend == "sqlite":
+            dialect: Any = SQLiteDialect()
+            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bagbench_"))
+
+            def make_store(name: str, n: int, idx: Sequence[Any], **kw: Any) -> Any:
+                return bagstore.open(os.path.join(root, name), indexes=idx, shards=n, **kw)
+
+            raw: Any = sqlite3.connect(os.path.join(root, "raw.db"), isolation_level=None)
+            raw.execute("PRAGMA journal_mode=WAL")
+            raw.execute("PRAGMA synchronous=NORMAL")
+            stack.callback(raw.close)
+            label = "sqlite"
+        elif backend == "mysql":
+            dialect = MySQLDialect()
+            total = shards + sum(spec[0] for spec in extra_stores.values()) + 1
+            names = stack.enter_context(temp_databases(total))
+            free = iter(names[1:])
+
+            def make_store(name: str, n: int, idx: Sequence[Any], **kw: Any) -> Any:
+                urls = [mysql_url(next(free), driver=driver) for _ in range(n)]
+                return bagstore.Datastore(urls, indexes=idx, **kw)
+
+            raw = mysql_connect(names[0], driver=driver)
+            stack.callback(raw.close)
+            label = f"mariadb/{driver}"
+        else:
+            raise ValueError(f"unknown backend {backend!r}")
+        for sql in raw_ddl(dialect) if raw_ddl else []:
+            cur = raw.cursor()
+            cur.execute(sql)
+            cur.close()
+        ds = make_store("bag", shards, indexes)
+        stack.callback(ds.close)
+        env = Env(label, dialect, ds, raw)
+        for name, (n, idx, kw) in extra_stores.items():
+            env.extra[name] = make_store(name, n, idx, **kw)
+            stack.callback(env.extra[name].close)
+        yield env

@@ -1,0 +1,335 @@
+"""Secondary indexes, bagstore beside raw DB-API: lookup, indexed put, scatter query.
+
+Run from the repository root::
+
+    python -m bench.indexes [--backend sqlite|mysql|all] [--driver pymysql|mysqlclient|all]
+                            [--rounds N] [--quick] [--format rich|plain|markdown]
+
+bagstore runs over 4 shards with ``Index("index_user_id", ["user_id"])`` and
+``Index("index_link", ["link"])``; the raw baseline runs on ONE database whose
+entities and index tables come from bagstore's own DDL
+(``Dialect.create_entities_sql`` / ``create_index_table_sql``) and whose index
+rows hold the same bytes (``keys.encode_value``, cut to ``keys.KEY_LIMIT``,
+bucket of the full key); it sends the statements bagstore sends.
+
+- index lookup of a user with 20 entities, ``index.get_all(ds, user_id=u)``.
+  Raw: ``SELECT entity_id FROM index_user_id WHERE user_id = ?`` then
+  ``SELECT id, body, version, updated FROM entities WHERE id IN (...)`` + decode.
+  Target >= 0.8x raw.
+- ``put`` with those 2 indexes.  Raw: BEGIN; SELECT the old body FOR UPDATE;
+  upsert; COMMIT; then insert-or-ignore the two index rows.  Target >= 0.7x raw.
+- the same lookup on a kind placed by ``shard_key="user_id"`` (a user's
+  entities share a bucket): reported beside it, no target of its own.
+- a scatter query: ``Index("index_published", ["published"])``, query
+  ``published__gte=x, limit=20`` reads every shard.  4 shards against 1 shard
+  (and both against raw).  Target: 4-shard latency within 1.5x of 1-shard.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bagstore import Index, codec, keys
+from bagstore.sharding.hashing import bucket_of
+from bench.common import (
+    Env,
+    Result,
+    Work,
+    compare,
+    friendfeed_entity,
+    open_env,
+    print_machine,
+    print_table,
+)
+from bench.core import parse_args, plan_backends
+
+KIND = "entities"
+SHARDS = 4
+USERS = 100
+PER_USER = 20
+SCATTER_ROWS = 2000
+LIMIT = 20
+BASE = 1_235_000_000_000_000  # published, in microseconds (an int property)
+
+USER_INDEX = Index("index_user_id", ["user_id"])
+LINK_INDEX = Index("index_link", ["link"])
+PUB_INDEX = Index("index_published", ["published"])
+INDEX_COLUMNS = ("entity_id", "bagstore_bucket")
+
+
+def raw_ddl(dialect: Any) -> list[str]:
+    """The tables bagstore creates on each shard, once, in the raw database."""
+    sql = list(dialect.create_entities_sql(KIND))
+    for index in (USER_INDEX, LINK_INDEX, PUB_INDEX):
+        sql += dialect.create_index_table_sql(index.table, index.properties, index.unique)
+    return sql
+
+
+def index_row(index: Index, entity: dict[str, Any], buckets: int) -> tuple[bytes, bytes, int]:
+    """``(stored key, entity id, bucket)`` the way bagstore builds it for a
+    one-property index on a scalar: the order-preserving encoding cut to
+    ``KEY_LIMIT``, the bucket of the full encoding."""
+    full = keys.encode_value(entity[index.properties[0]])
+    return keys.truncate(full)[0], entity["id"], bucket_of(full, buckets)
+
+
+class Raw:
+    """The raw DB-API side: statements as bagstore sends them, one database."""
+
+    def __init__(self, env: Env) -> None:
+        self.env, self.d = env, env.dialect
+        self.cur = env.cursor()
+        self.buckets = int(env.ds.placement.buckets)
+        p = self.d.param
+        self.upsert_one = self.d.upsert_entities_sql(KIND, 1)
+        self.lock_one = self.d.select_bodies_sql(KIND, 1, lock=True)
+        self.insert_row = {
+            i.table: self.d.insert_ignore_sql(i.table, (*i.properties, *INDEX_COLUMNS), 1)
+            for i in (USER_INDEX, LINK_INDEX, PUB_INDEX)
+        }
+        self.user_ids = (
+            f"SELECT entity_id FROM index_user_id WHERE user_id = {p} ORDER BY entity_id LIMIT 501"
+        )
+        self.pub_scan = (
+            f"SELECT published, entity_id FROM index_published WHERE published >= {p} "
+            f"AND published < {p} ORDER BY published, entity_id LIMIT {LIMIT + 1}"
+        )
+        self.number_end = bytes((keys.encode_value(0)[0] + 1,))  # end of the number class
+
+    def load(self, entities: Sequence[dict[str, Any]], indexes: Sequence[Index]) -> None:
+        """Bulk-insert entities and their index rows (multi-row statements)."""
+        now = time.time_ns() // 1000
+        for start in range(0, len(entities), 500):
+            chunk = entities[start : start + 500]
+            params: list[Any] = []
+            for e in chunk:
+                params += (e["id"], bucket_of(e["id"], self.buckets), now, codec.encode(e))
+            self.cur.execute(self.d.upsert_entities_sql(KIND, len(chunk)), params)
+            for index in indexes:
+                cols = (*index.properties, *INDEX_COLUMNS)
+                rows = [v for e in chunk for v in index_row(index, e, self.buckets)]
+                self.cur.execute(self.d.insert_ignore_sql(index.table, cols, len(chunk)), rows)
+
+    def fetch(self, ids: list[bytes]) -> list[dict[str, Any]]:
+        if not ids:
+            return []
+        self.cur.execute(self.d.select_bodies_sql(KIND, len(ids)), ids)
+        found = {bytes(r[0]): r[1] for r in self.cur.fetchall()}
+        return [codec.decode(found[i]) for i in ids if i in found]
+
+    def user_lookup(self, user_id: bytes) -> list[dict[str, Any]]:
+        self.cur.execute(self.user_ids, (keys.truncate(keys.encode_value(user_id))[0],))
+        return self.fetch([bytes(r[0]) for r in self.cur.fetchall()])
+
+    def put_indexed(self, e: dict[str, Any]) -> None:
+        conn, cur, eid = self.env.raw, self.cur, e["id"]
+        body = codec.encode(e)
+        cur.execute(self.d.begin_write)
+        try:
+            cur.execute(self.lock_one, (eid,))
+            old = cur.fetchone()
+            cur.execute(
+                self.upsert_one, (eid, bucket_of(eid, self.buckets), time.time_ns() // 1000, body)
+            )
+        except BaseException:
+            conn.rollback()
+            raise
+        conn.commit()
+        if old is not None:
+            codec.decode(old[1])  # bagstore diffs against the old body
+        for index in (USER_INDEX, LINK_INDEX):
+            cur.execute(self.insert_row[index.table], index_row(index, e, self.buckets))
+
+    def scatter(self, since: int) -> list[dict[str, Any]]:
+        self.cur.execute(self.pub_scan, (keys.encode_value(since), self.number_end))
+        return self.fetch([bytes(r[1]) for r in self.cur.fetchall()][:LIMIT])
+
+
+def _check_same_bytes(env: Env, sample: dict[str, Any]) -> None:
+    """The raw index rows hold exactly what bagstore writes (Index.rows_for)."""
+    buckets = int(env.ds.placement.buckets)
+    for index in (USER_INDEX, LINK_INDEX, PUB_INDEX):
+        (row,) = index.rows_for(sample, sample["id"], buckets)
+        key, eid, bucket = index_row(index, sample, buckets)
+        assert (row.keys, row.entity_id, row.bucket) == ((key,), eid, bucket), index.table
+
+
+def run_backend(
+    backend: str, *, driver: str, rounds: int, seconds: float, log: Any = None
+) -> tuple[list[Result], list[list[str]]]:
+    results: list[Result] = []
+    stores: dict[str, tuple[int, list[Index], dict[str, Any]]] = {
+        "scatter4": (SHARDS, [PUB_INDEX], {}),
+        "scatter1": (1, [PUB_INDEX], {}),
+        # the same lookup when the kind is placed by user_id: a user's entities
+        # share one bucket, so the lookup reads one shard for the bodies too
+        "byuser": (SHARDS, [USER_INDEX, LINK_INDEX], {"shard_key": "user_id"}),
+    }
+    with open_env(
+        backend,
+        shards=SHARDS,
+        indexes=[USER_INDEX, LINK_INDEX],
+        raw_ddl=raw_ddl,
+        driver=driver,
+        extra_stores=stores,
+    ) as env:
+        ds, ds4, ds1 = env.ds, env.extra["scatter4"], env.extra["scatter1"]
+        by_user = env.extra["byuser"]
+        raw = Raw(env)
+        rng = random.Random(11)
+        users = [os.urandom(16) for _ in range(USERS)]
+        people = [friendfeed_entity(user_id=u) for u in users for _ in range(PER_USER)]
+        rng.shuffle(people)
+        _check_same_bytes(env, people[0])
+        for start in range(0, len(people), 500):
+            ds.put_many(people[start : start + 500])
+            by_user.put_many(people[start : start + 500])
+        raw.load(people, [USER_INDEX, LINK_INDEX])
+        posts = [friendfeed_entity(published=BASE + i * 1000) for i in range(SCATTER_ROWS)]
+        for start in range(0, len(posts), 500):
+            ds4.put_many(posts[start : start + 500])
+            ds1.put_many(posts[start : start + 500])
+        raw.load(posts, [PUB_INDEX])
+
+        # sanity: both sides give the same answers
+        u = users[0]
+        assert len(USER_INDEX.get_all(ds, user_id=u)) == PER_USER
+        assert len(raw.user_lookup(u)) == PER_USER
+        assert len(USER_INDEX.get_all(by_user, user_id=u)) == PER_USER
+        since = BASE + 700 * 1000
+        expect = [e["id"] for e in posts[700 : 700 + LIMIT]]
+        for got in (
+            PUB_INDEX.get_all(ds4, published__gte=since, limit=LIMIT),
+            PUB_INDEX.get_all(ds1, published__gte=since, limit=LIMIT),
+            raw.scatter(since),
+        ):
+            assert [e["id"] for e in got] == expect
+
+        def some_users(n: int, side: str) -> list[bytes]:
+            return [rng.choice(users) for _ in range(n)]
+
+        def new_people(n: int, side: str) -> list[dict[str, Any]]:
+            return [friendfeed_entity() for _ in range(n)]
+
+        def starts(n: int, side: str) -> list[int]:
+            return [BASE + rng.randrange(SCATTER_ROWS - LIMIT) * 1000 for _ in range(n)]
+
+        def q4(t: int) -> object:
+            return PUB_INDEX.get_all(ds4, published__gte=t, limit=LIMIT)
+
+        def q1(t: int) -> object:
+            return PUB_INDEX.get_all(ds1, published__gte=t, limit=LIMIT)
+
+        works = [
+            Work(
+                f"index lookup, user x{PER_USER}",
+                lambda uid: USER_INDEX.get_all(ds, user_id=uid),
+                raw.user_lookup,
+                some_users,
+            ),
+            Work(
+                f"index lookup, user x{PER_USER}, shard_key=user_id",
+                lambda uid: USER_INDEX.get_all(by_user, user_id=uid),
+                raw.user_lookup,
+                some_users,
+            ),
+            Work("put + 2 indexes", ds.put, raw.put_indexed, new_people),
+            Work(f"scatter gte limit {LIMIT}, {SHARDS} shards", q4, raw.scatter, starts),
+            Work(f"scatter gte limit {LIMIT}, 1 shard", q1, raw.scatter, starts),
+        ]
+        for work in works:
+            t0 = time.perf_counter()
+            r = compare(work, env.label, rounds=rounds, seconds=seconds)
+            if r.work == f"index lookup, user x{PER_USER}":
+                r.target, r.met = ">= 0.8x raw", r.ratio >= 0.8
+            elif r.work.startswith("put"):
+                r.target, r.met = ">= 0.7x raw", r.ratio >= 0.7
+            results.append(r)
+            if log is not None:
+                log(
+                    f"  {env.label:18} {r.work:30} bagstore {r.bag_rate:>9,.0f}/s  "
+                    f"raw {r.raw_rate:>9,.0f}/s  ratio {r.ratio:.2f}  "
+                    f"({time.perf_counter() - t0:.1f}s)"
+                )
+        # The target itself: 4 shards against 1 shard, interleaved round by round.
+        vs = Work("4 vs 1 shard", q4, q1, starts)
+        head = compare(vs, env.label, rounds=rounds, seconds=seconds)
+        lat4, lat1 = head.bag_p50 * 1e6, head.raw_p50 * 1e6
+        slower = 1 / head.ratio
+        latency = [
+            env.label,
+            f"{lat4:,.0f}",
+            f"{lat1:,.0f}",
+            f"{results[-2].raw_p50 * 1e6:,.0f}",
+            f"{slower:.2f}x",
+            "<= 1.5x",
+            "yes" if slower <= 1.5 else "NO",
+        ]
+    return results, [latency]
+
+
+LATENCY_HEADERS = [
+    "backend",
+    f"{SHARDS} shards p50 µs",
+    "1 shard p50 µs",
+    "raw p50 µs",
+    f"{SHARDS}-shard/1-shard",
+    "target",
+    "met?",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``python -m bench.indexes`` and ``bagstore bench``."""
+    args = parse_args(argv, "bagstore secondary indexes beside raw DB-API")
+    plan = plan_backends(args)
+    if plan is None:
+        return 2
+    print_machine(args.format)
+    print(
+        f"bagstore: {SHARDS} shards; raw: one database; {args.rounds} rounds of "
+        f"~{args.seconds}s per side",
+        file=sys.stderr,
+    )
+    started = time.perf_counter()
+    results: list[Result] = []
+    latencies: list[list[str]] = []
+    failed = []
+    for backend, driver in plan:
+        try:
+            part, lat = run_backend(
+                backend,
+                driver=driver or "pymysql",
+                rounds=args.rounds,
+                seconds=args.seconds,
+                log=lambda s: print(s, file=sys.stderr),
+            )
+        except Exception as exc:  # report and go on with the other backends
+            where = backend + (f"/{driver}" if driver else "")
+            failed.append(f"{where}: {type(exc).__name__}: {exc}")
+            print(f"FAILED {failed[-1]}", file=sys.stderr)
+            continue
+        results += part
+        latencies += lat
+    print_table("bagstore vs raw DB-API: indexes (medians)", results, fmt=args.format)
+    print_table(
+        f"scatter query latency, published__gte=x limit={LIMIT} (medians; the {SHARDS}/1 "
+        "ratio from interleaved rounds)",
+        [],
+        fmt=args.format,
+        headers=LATENCY_HEADERS,
+        rows=latencies,
+    )
+    for line in failed:
+        print(f"FAILED {line}")
+    print(f"total {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

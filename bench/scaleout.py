@@ -1,0 +1,580 @@
+"""Scale-out while serving: bucket moves to a new shard with a live writer, beside plain SQL copies.
+
+Run from the repository root::
+
+    python -m bench.scaleout [--backend mysql|sqlite|all] [--rows N] [--rounds N]
+                             [--rate R] [--before S] [--format rich|plain|markdown]
+
+For the issue "Scale-out while serving".
+
+bagstore: a 2-shard store (2 MariaDB databases on 127.0.0.1:3306, or 2 SQLite
+files) with ``Index("index_user_id", ["user_id"], shard_on="user_id")``, loaded
+with ``--rows`` FriendFeed-style entities (default 200,000; 20 per user) by
+``put_many``.  Round 1: ``ds.add_shard(url)`` (a third database / file) and
+``ds.rebalance(grace=0)``, which moves a third of the buckets to it.  Later
+rounds move the same buckets back to where they came from, then out again
+(``ds.move_buckets(..., grace=0)``), so that every round moves the same rows.
+
+While each round runs, a separate process (no GIL shared with the mover) puts
+entities at ``--rate`` per second (default 500; 90% new, 10% updates), routed by
+its own, soon stale, placement (it learns of moves by being refused, or every
+``refresh_interval``); each write's latency is recorded, a few seconds before the
+move give the "before" figures.
+
+Baseline, the floor a move's copy has to be compared with: the same rows (the
+entities and index rows of the buckets that round moves) copied with plain SQL
+into an empty database with the same tables, then deleted there (the mover
+deletes the source copy):
+
+- ``INSERT ... SELECT`` between databases on the same server (SQLite: ``ATTACH``);
+- ``SELECT`` + multi-row ``INSERT`` of 500 rows through Python (what a copy
+  between two servers has to do).
+
+The baseline runs without the writer: it is the floor, not a competitor.
+
+After each round: every entity is there once (``ds.count()`` = loaded + the
+writer's new entities), and the index holds one row per entity.
+
+Goals (the issue): no write stalled over 1 s; writer p99 during <= 2x before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import bagstore
+from bench.cleaner import Lat, WriterSpec, log, writer
+from bench.common import (
+    friendfeed_entity,
+    mysql_available,
+    mysql_connect,
+    mysql_url,
+    print_machine,
+    print_table,
+    temp_databases,
+)
+
+KIND = "entities"
+TABLE = "index_user_id"
+USER_INDEX = bagstore.Index(table=TABLE, properties=["user_id"], shard_on="user_id")
+PER_USER = 20
+LOAD_BATCH = 5000
+COPY_BATCH = 500
+GOAL_STALL = 1.0
+GOAL_P99_RATIO = 2.0
+ENTITY_COLUMNS = "id, bucket, updated, version, body"
+INDEX_COLUMNS = "user_id, entity_id, bagstore_bucket"
+
+
+# -- environment ---------------------------------------------------------------------------
+
+
+@dataclass
+class Side:
+    backend: str
+    ds: Any
+    bag_target: Any  # for the writer: shard URLs or the SQLite root
+    shard_dbs: list[str]  # database names (MariaDB) or file paths (SQLite), by shard number
+    new_url: str  # the shard to add
+    raw: Any  # connection to the baseline's empty database
+    raw_name: str
+    update_ids: list[bytes] = field(default_factory=list)
+    expected: int = 0  # entities there should be
+
+    def exec(self, sql: str, params: Sequence[Any] = ()) -> int:
+        cur = self.raw.cursor()
+        try:
+            cur.execute(sql, params)
+            return int(cur.rowcount)
+        finally:
+            cur.close()
+
+
+@contextlib.contextmanager
+def open_side(backend: str) -> Iterator[Side]:
+    from bagstore.backends.mysql import MySQLDialect
+    from bagstore.backends.sqlite import SQLiteDialect
+
+    with contextlib.ExitStack() as stack:
+        if backend == "mysql":
+            names = stack.enter_context(temp_databases(4, prefix="bst_bench_out"))
+            urls = [mysql_url(n) for n in names[:2]]
+            ds = bagstore.Datastore(urls, indexes=[USER_INDEX])
+            stack.callback(ds.close)
+            raw = mysql_connect(names[3])
+            stack.callback(raw.close)
+            side = Side(backend, ds, urls, names[:3], mysql_url(names[2]), raw, names[3])
+            dialect: Any = MySQLDialect()
+        else:
+            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bst_bench_out_"))
+            store = os.path.join(root, "bag")
+            ds = bagstore.open(store, indexes=[USER_INDEX], shards=2)
+            stack.callback(ds.close)
+            files = [os.path.join(store, f"shard_{i}.db") for i in range(2)]
+            extra = os.path.join(store, "extra.db")
+            raw_path = os.path.join(root, "raw.db")
+            raw = sqlite3.connect(raw_path, isolation_level=None)
+            raw.execute("PRAGMA journal_mode=WAL")
+            raw.execute("PRAGMA synchronous=NORMAL")
+            stack.callback(raw.close)
+            side = Side(backend, ds, store, [*files, extra], "sqlite:///" + extra, raw, raw_path)
+            dialect = SQLiteDialect()
+        for sql in dialect.create_entities_sql(KIND):
+            side.exec(sql)
+        for sql in dialect.create_index_table_sql(TABLE, ["user_id"], False):
+            side.exec(sql)
+        yield side
+
+
+def load(side: Side, rows: int) -> None:
+    started = time.monotonic()
+    done = 0
+    last = started
+    while done < rows:
+        n = min(LOAD_BATCH, rows - done)
+        users = [os.urandom(16) for _ in range(max(1, n // PER_USER))]
+        entities = [friendfeed_entity(user_id=users[i % len(users)]) for i in range(n)]
+        side.ds.put_many(entities)
+        if len(side.update_ids) < 5000:
+            side.update_ids += [e["id"] for e in entities[::40]]
+        done += n
+        if time.monotonic() - last > 10 or done == rows:
+            last = time.monotonic()
+            log(f"  [{side.backend}] loaded {done:,}/{rows:,} ({done / (last - started):,.0f}/s)")
+    side.expected = rows
+
+
+# -- the baseline: plain SQL copies ------------------------------------------------------------
+
+
+@dataclass
+class Copy:
+    method: str
+    entities: int
+    index_rows: int
+    copy_s: float
+    delete_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.copy_s + self.delete_s
+
+
+def _in(n: int, p: str) -> str:
+    return ", ".join([p] * n)
+
+
+def raw_copy(side: Side, groups: dict[int, list[int]], method: str) -> Copy:
+    """Copy the entities and index rows of ``groups`` ({source shard: buckets}) into
+    the empty baseline database, then delete them there."""
+    p = "%s" if side.backend == "mysql" else "?"
+    entities = index_rows = 0
+    t0 = time.perf_counter()
+    if method == "INSERT ... SELECT":
+        for shard, buckets in groups.items():
+            src = _source(side, shard)
+            entities += side.exec(
+                f"INSERT INTO {KIND} ({ENTITY_COLUMNS}) SELECT {ENTITY_COLUMNS} FROM "
+                f"{src}.{KIND} WHERE bucket IN ({_in(len(buckets), p)})",
+                buckets,
+            )
+            index_rows += side.exec(
+                f"INSERT INTO {TABLE} ({INDEX_COLUMNS}) SELECT {INDEX_COLUMNS} FROM "
+                f"{src}.{TABLE} WHERE bagstore_bucket IN ({_in(len(buckets), p)})",
+                buckets,
+            )
+            _detach(side, src)
+    else:
+        for shard, buckets in groups.items():
+            src = _source_conn(side, shard)
+            try:
+                entities += _pipe(side, src, KIND, ENTITY_COLUMNS, "bucket", buckets, 5)
+                index_rows += _pipe(side, src, TABLE, INDEX_COLUMNS, "bagstore_bucket", buckets, 3)
+            finally:
+                src.close()
+    t1 = time.perf_counter()
+    every = sorted(b for buckets in groups.values() for b in buckets)
+    if side.backend == "sqlite":
+        side.exec("BEGIN")
+    side.exec(f"DELETE FROM {KIND} WHERE bucket IN ({_in(len(every), p)})", every)
+    side.exec(f"DELETE FROM {TABLE} WHERE bagstore_bucket IN ({_in(len(every), p)})", every)
+    if side.backend == "sqlite":
+        side.exec("COMMIT")
+    t2 = time.perf_counter()
+    return Copy(method, entities, index_rows, t1 - t0, t2 - t1)
+
+
+def _source(side: Side, shard: int) -> str:
+    """The source's name in a cross-database statement (SQLite: attached)."""
+    if side.backend == "mysql":
+        return f"`{side.shard_dbs[shard]}`"
+    side.exec("ATTACH DATABASE ? AS src", [side.shard_dbs[shard]])
+    return "src"
+
+
+def _detach(side: Side, src: str) -> None:
+    if side.backend == "sqlite":
+        side.exec("DETACH DATABASE src")
+
+
+def _source_conn(side: Side, shard: int) -> Any:
+    if side.backend == "mysql":
+        return mysql_connect(side.shard_dbs[shard])
+    return sqlite3.connect(side.shard_dbs[shard], isolation_level=None)
+
+
+def _pipe(
+    side: Side, src: Any, table: str, columns: str, bucket_col: str, buckets: list[int], n: int
+) -> int:
+    """SELECT the buckets' rows from ``src``, write them 500 at a time."""
+    p = "%s" if side.backend == "mysql" else "?"
+    read = src.cursor()
+    read.execute(
+        f"SELECT {columns} FROM {table} WHERE {bucket_col} IN ({_in(len(buckets), p)})", buckets
+    )
+    copied = 0
+    cur = side.raw.cursor()
+    one = "(" + _in(n, p) + ")"
+    while rows := read.fetchmany(COPY_BATCH):
+        if side.backend == "sqlite":
+            cur.execute("BEGIN")
+        cur.execute(
+            f"INSERT INTO {table} ({columns}) VALUES {', '.join([one] * len(rows))}",
+            [v for r in rows for v in r],
+        )
+        if side.backend == "sqlite":
+            cur.execute("COMMIT")
+        copied += len(rows)
+    read.close()
+    cur.close()
+    return copied
+
+
+# -- one round of bagstore moves -----------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    backend: str
+    label: str
+    stats: Any  # MoveStats
+    before: Lat
+    during: Lat
+    errors: list[str]
+    consistent: str
+    copies: list[Copy]
+
+
+def counts(side: Side) -> tuple[int, int]:
+    ds = side.ds
+    rows = sum(ds._map(lambda b: b.count(TABLE), ds._backends))
+    return ds.count(), rows
+
+
+def one_round(
+    side: Side, i: int, moved: list[int], home: dict[int, int], args: argparse.Namespace
+) -> tuple[Round, list[int]]:
+    """Round 0: add the shard and rebalance; odd rounds: the moved buckets go home;
+    even rounds: out to the new shard again.  Then the baseline copies the same
+    buckets' rows from where they are now.  Returns the round and the buckets moved."""
+    ds = side.ds
+    spec = WriterSpec("bag", side.backend, side.bag_target, args.rate, side.update_ids)
+    with writer(spec) as w:
+        time.sleep(args.before)
+        t0 = time.monotonic()
+        if i == 0:
+            ds.add_shard(side.new_url)
+            stats = ds.rebalance(grace=0)
+            label = "add_shard + rebalance(grace=0)"
+        elif i % 2:
+            stats = _move_home(ds, moved, home)
+            label = "move_buckets back (grace=0)"
+        else:
+            stats = ds.move_buckets(moved, len(side.shard_dbs) - 1, grace=0)
+            label = "move_buckets out (grace=0)"
+        t1 = time.monotonic()
+        time.sleep(0.5)
+        writes = w.stop()
+    placement = ds.refresh_placement(force=True)
+    if i == 0:
+        moved = [b for b, s in enumerate(placement.shard_of_bucket) if s != home[b]]
+    side.expected += writes.new_ok
+    entities, rows = counts(side)
+    ok = entities == side.expected and rows == entities
+    consistent = "yes" if ok else f"NO ({entities:,} entities for {side.expected:,}; {rows:,} rows)"
+    groups = _by(moved, lambda b: placement.shard_of_bucket[b])
+    copies = [raw_copy(side, groups, m) for m in ("INSERT ... SELECT", "SELECT + INSERT")]
+    r = Round(
+        side.backend,
+        label,
+        stats,
+        Lat.of(writes.window(t0 - args.before, t0), args.before),
+        Lat.of(writes.window(t0, t1), t1 - t0),
+        writes.errors,
+        consistent,
+        copies,
+    )
+    log(
+        f"  [{side.backend}] round {i + 1} {label}: {stats.buckets} buckets, "
+        f"{stats.entities:,} entities + {stats.index_rows:,} index rows copied, "
+        f"{stats.deleted:,} deleted in {stats.seconds:.1f}s (longest freeze "
+        f"{stats.longest_freeze * 1e3:.0f} ms); writer p99 {r.before.p99 * 1e3:.1f} -> "
+        f"{r.during.p99 * 1e3:.1f} ms, max {r.during.max * 1e3:.0f} ms, "
+        f"{len(writes.errors)} errors; consistent: {consistent}"
+        + (f"; first error: {writes.errors[0]}" if writes.errors else "")
+    )
+    for c in copies:
+        log(
+            f"    raw {c.method}: {c.entities:,} entities + {c.index_rows:,} index rows copied "
+            f"in {c.copy_s:.2f}s, deleted in {c.delete_s:.2f}s"
+        )
+    return r, moved
+
+
+def _by(buckets: Sequence[int], key: Callable[[int], int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for b in buckets:
+        out.setdefault(key(b), []).append(b)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _move_home(ds: Any, moved: list[int], home: dict[int, int]) -> Any:
+    """Move each bucket back to its home shard; the MoveStats added up."""
+    total = None
+    for target, buckets in _by(moved, lambda b: home[b]).items():
+        stats = ds.move_buckets(buckets, target, grace=0)
+        if total is None:
+            total = stats
+        else:
+            total.buckets += stats.buckets
+            total.entities += stats.entities
+            total.index_rows += stats.index_rows
+            total.deleted += stats.deleted
+            total.longest_freeze = max(total.longest_freeze, stats.longest_freeze)
+            total.seconds += stats.seconds
+    return total
+
+
+# -- printing --------------------------------------------------------------------------------------
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f}" if x == x else "—"
+
+
+def _med(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def summary_rows(rounds: Sequence[Round]) -> list[list[str]]:
+    """One line per backend for bagstore and per baseline method: medians over rounds."""
+    out: list[list[str]] = []
+    for backend in dict.fromkeys(r.backend for r in rounds):
+        rs = [r for r in rounds if r.backend == backend]
+        bag_ent = _med([r.stats.entities / r.stats.seconds for r in rs])
+        bag_idx = _med([r.stats.index_rows / r.stats.seconds for r in rs])
+        p99_ratio = _med([r.during.p99 / r.before.p99 for r in rs])
+        worst = max(r.during.max for r in rs)
+        p99_before = _ms(_med([r.before.p99 for r in rs]))
+        p99_during = _ms(_med([r.during.p99 for r in rs]))
+        stall_ok = worst <= GOAL_STALL and all(not r.errors for r in rs)
+        out.append(
+            [
+                "bagstore Mover (with writer)",
+                backend,
+                f"{_med([r.stats.buckets for r in rs]):,.0f}",
+                f"{_med([r.stats.entities for r in rs]):,.0f}",
+                f"{_med([r.stats.index_rows for r in rs]):,.0f}",
+                f"{_med([r.stats.seconds for r in rs]):.2f}",
+                f"{bag_ent:,.0f}",
+                f"{bag_idx:,.0f}",
+                "1.00",
+                f"{_med([r.stats.longest_freeze for r in rs]) * 1e3:.0f}",
+                f"{p99_before} → {p99_during}",
+                f"{p99_ratio:.2f}",
+                f"{_ms(max(r.before.max for r in rs))} → {_ms(worst)}",
+                str(sum(len(r.errors) for r in rs)),
+                "yes" if all(r.consistent == "yes" for r in rs) else "NO",
+                f"{'yes' if p99_ratio <= GOAL_P99_RATIO else 'NO'} / {'yes' if stall_ok else 'NO'}",
+            ]
+        )
+        for m in ("INSERT ... SELECT", "SELECT + INSERT"):
+            cs = [c for r in rs for c in r.copies if c.method == m]
+            ent = _med([c.entities / c.seconds for c in cs])
+            ratio = _med(
+                [
+                    (r.stats.entities / r.stats.seconds) / (c.entities / c.seconds)
+                    for r in rs
+                    for c in r.copies
+                    if c.method == m
+                ]
+            )
+            out.append(
+                [
+                    f"raw {m}, then DELETE (no writer)",
+                    backend,
+                    "—",
+                    f"{_med([c.entities for c in cs]):,.0f}",
+                    f"{_med([c.index_rows for c in cs]):,.0f}",
+                    f"{_med([c.seconds for c in cs]):.2f}"
+                    f" ({_med([c.copy_s for c in cs]):.2f} + {_med([c.delete_s for c in cs]):.2f})",
+                    f"{ent:,.0f}",
+                    f"{_med([c.index_rows / c.seconds for c in cs]):,.0f}",
+                    f"{ratio:.2f}",
+                    "—",
+                    "—",
+                    "—",
+                    "—",
+                    "—",
+                    "—",
+                    "—",
+                ]
+            )
+    return out
+
+
+HEADERS = [
+    "method",
+    "backend",
+    "buckets",
+    "entities",
+    "index rows",
+    "s (copy + delete)",
+    "entities/s",
+    "index rows/s",
+    "bagstore/this",
+    "longest freeze ms",
+    "writer p99 ms before→during",
+    "p99 during/before",
+    "writer max ms before→during",
+    "writer errors",
+    "all entities, once",
+    "goals: p99 / no stall > 1 s",
+]
+
+ROUND_HEADERS = [
+    "backend",
+    "round",
+    "buckets",
+    "entities",
+    "index rows",
+    "deleted",
+    "s",
+    "entities/s",
+    "longest freeze ms",
+    "writer p50 ms before→during",
+    "p99 ms before→during",
+    "max ms before→during",
+    "writes/s before→during",
+    "errors",
+    "consistent",
+]
+
+
+def round_rows(rounds: Sequence[Round]) -> list[list[str]]:
+    return [
+        [
+            r.backend,
+            r.label,
+            str(r.stats.buckets),
+            f"{r.stats.entities:,}",
+            f"{r.stats.index_rows:,}",
+            f"{r.stats.deleted:,}",
+            f"{r.stats.seconds:.2f}",
+            f"{r.stats.entities / r.stats.seconds:,.0f}",
+            f"{r.stats.longest_freeze * 1e3:.0f}",
+            f"{_ms(r.before.p50)} → {_ms(r.during.p50)}",
+            f"{_ms(r.before.p99)} → {_ms(r.during.p99)}",
+            f"{_ms(r.before.max)} → {_ms(r.during.max)}",
+            f"{r.before.rate:,.0f} → {r.during.rate:,.0f}",
+            str(len(r.errors)),
+            r.consistent,
+        ]
+        for r in rounds
+    ]
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def run_backend(backend: str, args: argparse.Namespace) -> list[Round]:
+    log(f"[{backend}] {args.rows:,} entities on 2 shards, one index; writer {args.rate:,.0f}/s")
+    rounds: list[Round] = []
+    with open_side(backend) as side:
+        load(side, args.rows)
+        home = dict(enumerate(side.ds.refresh_placement(force=True).shard_of_bucket))
+        moved: list[int] = []
+        for i in range(args.rounds):
+            r, moved = one_round(side, i, moved, home, args)
+            rounds.append(r)
+    return rounds
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # so that temporary databases and files are removed
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="bucket moves while serving, beside plain SQL copies")
+    p.add_argument("--backend", choices=["sqlite", "mysql", "all"], default="all")
+    p.add_argument("--rows", type=int, default=200_000, help="entities (default 200,000)")
+    p.add_argument("--rounds", type=int, default=3, help="move rounds (default 3)")
+    p.add_argument("--rate", type=float, default=500.0, help="writer puts per second")
+    p.add_argument("--before", type=float, default=4.0, help="seconds of writes before")
+    p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
+    args = p.parse_args(argv)
+    if args.rows < 1000 or args.rounds < 1:
+        p.error("--rows must be >= 1000 and --rounds >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``python -m bench.scaleout``."""
+    args = parse_args(argv)
+    backends = []
+    if args.backend in ("sqlite", "all"):
+        backends.append("sqlite")
+    if args.backend in ("mysql", "all"):
+        if mysql_available():
+            backends.append("mysql")
+        elif args.backend == "mysql":
+            log("MariaDB is not reachable on 127.0.0.1:3306")
+            return 2
+        else:
+            log("MariaDB not reachable: skipping it")
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGTERM, _terminate)
+    print_machine(args.format)
+    started = time.perf_counter()
+    rounds: list[Round] = []
+    for backend in backends:
+        rounds += run_backend(backend, args)
+    print_table(
+        f"Bucket moves with a writer at {args.rate:,.0f} puts/s, beside plain SQL copies of "
+        f"the same rows (medians over {args.rounds} rounds; writer max = worst round)",
+        [],
+        fmt=args.format,
+        headers=HEADERS,
+        rows=summary_rows(rounds),
+    )
+    print_table("Each round", [], fmt=args.format, headers=ROUND_HEADERS, rows=round_rows(rounds))
+    errors = [(r.backend, e) for r in rounds for e in r.errors if e]
+    for backend, e in dict.fromkeys(errors):
+        print(f"- writer error on {backend}: {e}")
+    log(f"total {time.perf_counter() - started:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Integer ids: a bagstore sequence (blocks of 1,000) beside Flickr's ticket server.
+
+Run from the repository root::
+
+    python -m bench.sequences [--backend sqlite|mysql|all] [--rounds N] [--seconds S]
+                              [--threads N] [--quick] [--format rich|plain|markdown]
+
+Works, each timed for ``--seconds`` per round, rounds interleaved, medians quoted:
+
+- ``bagstore seq next()``: ``ds.sequence(name, block=1000).next()`` from one thread.
+  Goal: >= 1,000,000 ids/s from one process.
+- ``bagstore seq next(), N threads``: the same object shared by ``--threads`` threads.
+- ``bagstore seq next_many(1000)``.
+- ``Flickr ticket (raw)``: raw DB-API, ``REPLACE INTO Tickets64 (stub) VALUES ('a')``
+  then ``SELECT LAST_INSERT_ID()`` per id (InnoDB on MariaDB; on SQLite the
+  REPLACE and ``cursor.lastrowid``: SQLite has no LAST_INSERT_ID()).
+- ``bagstore ticket mode``: ``open_sequence(ds, name, mode="ticket")``, one
+  ``REPLACE INTO`` per id, the id read from ``cursor.lastrowid``.
+- ``raw block UPDATE``: raw DB-API, one reservation statement per 1,000 ids and
+  no per-id work at all: the ceiling for the database side.
+
+"round trips / 1,000 ids" counts the statements actually sent (bagstore's are
+counted by wrapping its backend's cursors).  ``ratio`` is each work's rate over
+the raw Flickr ticket server's, round by round, median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sqlite3
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import bagstore
+from bagstore.ids.sequence import Sequence, TicketSequence, open_sequence
+from bench.common import (
+    mysql_available,
+    mysql_connect,
+    mysql_url,
+    print_machine,
+    print_table,
+    temp_databases,
+)
+
+BLOCK = 1000
+GOAL = 1_000_000
+FLICKR = "Flickr ticket (raw)"
+
+
+@dataclass
+class Env:
+    label: str
+    ds: bagstore.Datastore
+    raw: Any  # DB-API connection, autocommit
+    is_mysql: bool
+
+
+@contextlib.contextmanager
+def open_env(backend: str) -> Iterator[Env]:
+    """A one-shard datastore (its catalog holds the sequences) and a raw
+    connection to another database, both fresh; removed afterwards."""
+    with contextlib.ExitStack() as stack:
+        if backend == "sqlite":
+            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bagbench_seq_"))
+            ds = bagstore.open(os.path.join(root, "bag"), shards=1)
+            raw: Any = sqlite3.connect(os.path.join(root, "raw.db"), isolation_level=None)
+            raw.execute("PRAGMA journal_mode=WAL")
+            raw.execute("PRAGMA synchronous=NORMAL")  # bagstore's default
+            stack.callback(raw.close)
+            env = Env("sqlite", ds, raw, False)
+        else:
+            names = stack.enter_context(temp_databases(2, prefix="bagbench_seq"))
+            ds = bagstore.Datastore([mysql_url(names[0])])
+            raw = mysql_connect(names[1])
+            stack.callback(raw.close)
+            env = Env("mariadb/pymysql", ds, raw, True)
+        stack.callback(ds.close)
+        _raw_tables(env)
+        yield env
+
+
+def _raw_tables(env: Env) -> None:
+    cur = env.raw.cursor()
+    if env.is_mysql:
+        cur.execute(
+            "CREATE TABLE Tickets64 (id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT, "
+            "stub CHAR(1) NOT NULL DEFAULT '', PRIMARY KEY (id), UNIQUE KEY stub (stub)) "
+            "ENGINE=InnoDB"
+        )
+        cur.execute(
+            "CREATE TABLE sequence (name VARCHAR(50) NOT NULL PRIMARY KEY, "
+            "id BIGINT UNSIGNED NOT NULL DEFAULT 0) ENGINE=InnoDB"
+        )
+    else:
+        cur.execute(
+            "CREATE TABLE Tickets64 (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+            "stub TEXT NOT NULL UNIQUE)"
+        )
+        cur.execute("CREATE TABLE sequence (name TEXT PRIMARY KEY, id INTEGER NOT NULL)")
+    cur.execute("INSERT INTO sequence (name, id) VALUES ('photos', 0)")
+    cur.close()
+
+
+# -- the works: each step() hands out some ids and returns how many ----------------------
+
+
+@dataclass
+class Work:
+    name: str
+    step: Callable[[], int]
+    statements: Callable[[], int]  # statements sent so far
+    rates: list[float] = field(default_factory=list)
+    ids: int = 0
+    sent: int = 0
+    goal: bool = False
+
+
+class Counter:
+    """Counts the statements a bagstore backend sends (wraps its cursors)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.n = 0
+        run = backend.run
+        counter = self
+
+        class Cursor:
+            def __init__(self, cur: Any) -> None:
+                self._cur = cur
+
+            def execute(self, *args: Any) -> Any:
+                counter.n += 1
+                return self._cur.execute(*args)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._cur, name)
+
+        class Conn:
+            def __init__(self, conn: Any) -> None:
+                self._conn = conn
+
+            def cursor(self) -> Cursor:
+                return Cursor(self._conn.cursor())
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._conn, name)
+
+        backend.run = lambda work, **kw: run(lambda conn: work(Conn(conn)), **kw)
+
+
+def works(env: Env, threads: int) -> list[Work]:
+    ds = env.ds
+    counter = Counter(ds._catalog_backend)
+
+    seq = open_sequence(ds, "photos", block=BLOCK)
+    assert isinstance(seq, Sequence)
+    seq.next()  # creates the table and the row
+
+    def block_step() -> int:
+        nx = seq.next
+        for _ in range(10_000):
+            nx()
+        return 10_000
+
+    shared = open_sequence(ds, "shared", block=BLOCK)
+    assert isinstance(shared, Sequence)
+    shared.next()
+
+    def threaded_step() -> int:
+        per = 20_000
+
+        def run() -> None:
+            nx = shared.next
+            for _ in range(per):
+                nx()
+
+        pool = [threading.Thread(target=run) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        return per * threads
+
+    many = open_sequence(ds, "many", block=BLOCK)
+    assert isinstance(many, Sequence)
+
+    def many_step() -> int:
+        for _ in range(10):
+            many.next_many(BLOCK)
+        return 10 * BLOCK
+
+    tickets = open_sequence(ds, "tickets", mode="ticket")
+    assert isinstance(tickets, TicketSequence)
+    tickets.next()
+
+    def ticket_step() -> int:
+        tickets.next()
+        return 1
+
+    cur = env.raw.cursor()
+    raw_sent = [0]
+    if env.is_mysql:
+
+        def flickr_step() -> int:
+            cur.execute("REPLACE INTO Tickets64 (stub) VALUES ('a')")
+            cur.execute("SELECT LAST_INSERT_ID()")
+            cur.fetchone()
+            raw_sent[0] += 2
+            return 1
+
+        def update_step() -> int:
+            cur.execute("UPDATE sequence SET id = LAST_INSERT_ID(id + 1000) WHERE name = 'photos'")
+            _ = cur.lastrowid
+            raw_sent[0] += 1
+            return BLOCK
+
+    else:
+
+        def flickr_step() -> int:
+            cur.execute("REPLACE INTO Tickets64 (stub) VALUES ('a')")
+            _ = cur.lastrowid
+            raw_sent[0] += 1
+            return 1
+
+        def update_step() -> int:
+            cur.execute("UPDATE sequence SET id = id + 1000 WHERE name = 'photos' RETURNING id")
+            cur.fetchall()
+            raw_sent[0] += 1
+            return BLOCK
+
+    def bag() -> int:
+        return counter.n
+
+    def raw() -> int:
+        return raw_sent[0]
+
+    return [
+        Work("bagstore seq next()", block_step, bag, goal=True),
+        Work(f"bagstore seq next(), {threads} threads", threaded_step, bag),
+        Work("bagstore seq next_many(1000)", many_step, bag),
+        Work(FLICKR, flickr_step, raw),
+        Work("bagstore ticket mode", ticket_step, bag),
+        Work("raw block UPDATE (ceiling)", update_step, raw),
+    ]
+
+
+def _round(work: Work, seconds: float) -> None:
+    sent = work.statements()
+    ids = 0
+    clock = time.perf_counter
+    start = clock()
+    while True:
+        ids += work.step()
+        elapsed = clock() - start
+        if elapsed >= seconds:
+            break
+    work.rates.append(ids / elapsed)
+    work.ids += ids
+    work.sent += work.statements() - sent
+
+
+def run_backend(backend: str, *, rounds: int, seconds: float, threads: int) -> list[list[str]]:
+    with open_env(backend) as env:
+        ws = works(env, threads)
+        for w in ws:  # warm-up
+            _round(w, seconds / 4)
+            w.rates.clear()
+            w.ids = w.sent = 0
+        for i in range(rounds):
+            for w in ws if i % 2 == 0 else reversed(ws):
+                _round(w, seconds)
+        flickr = next(w for w in ws if w.name == FLICKR)
+        rows = []
+        for w in ws:
+            rate = statistics.median(w.rates)
+            ratio = statistics.median(a / b for a, b in zip(w.rates, flickr.rates, strict=True))
+            per_k = 1000 * w.sent / w.ids if w.ids else 0.0
+            trips = f"{per_k:,.2f}" if per_k < 10 else f"{per_k:,.0f}"
+            goal = f">= {GOAL:,}" if w.goal else ""
+            met = ("yes" if rate >= GOAL else "NO") if w.goal else "—"
+            rows.append([w.name, env.label, f"{rate:,.0f}", trips, f"{ratio:,.1f}", goal, met])
+            print(
+                f"  {env.label:16} {w.name:34} {rate:>12,.0f} ids/s  "
+                f"{trips:>8} round trips/1,000 ids  x{ratio:,.1f}",
+                file=sys.stderr,
+            )
+        return rows
+
+
+HEADERS = [
+    "work",
+    "backend",
+    "ids/s (median)",
+    "round trips / 1,000 ids",
+    "ratio to Flickr raw",
+    "goal",
+    "met?",
+]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="bagstore sequences beside Flickr's ticket server")
+    p.add_argument("--backend", choices=["sqlite", "mysql", "all"], default="all")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
+    p.add_argument("--seconds", type=float, default=None, help="length of one round (0.5)")
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--quick", action="store_true", help="3 short rounds: a smoke run")
+    p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
+    args = p.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 5
+    if args.seconds is None:
+        args.seconds = 0.1 if args.quick else 0.5
+    if args.rounds < 1 or args.seconds <= 0 or args.threads < 1:
+        p.error("--rounds and --threads must be >= 1 and --seconds > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``python -m bench.sequences``."""
+    args = parse_args(argv)
+    plan = []
+    if args.backend in ("sqlite", "all"):
+        plan.append("sqlite")
+    if args.backend in ("mysql", "all"):
+        if mysql_available():
+            plan.append("mysql")
+        elif args.backend == "mysql":
+            print("MariaDB is not reachable", file=sys.stderr)
+            return 2
+        else:
+            print("MariaDB not reachable: skipping it", file=sys.stderr)
+    print_machine(args.format)
+    started = time.perf_counter()
+    rows: list[list[str]] = []
+    for backend in plan:
+        rows += run_backend(backend, rounds=args.rounds, seconds=args.seconds, threads=args.threads)
+    print_table(
+        f"Sequences: ids/s, medians of {args.rounds} rounds of {args.seconds}s",
+        [],
+        fmt=args.format,
+        headers=HEADERS,
+        rows=rows,
+    )
+    print(f"total {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

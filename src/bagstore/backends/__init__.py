@@ -1,0 +1,132 @@
+"""Storage backends and the URLs that name them.
+
+Accepted shard URLs:
+
+* ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db`` (SQLAlchemy's
+  convention), or ``sqlite::memory:`` for a private in-memory database;
+* ``mysql://user:password@host:port/database`` (``mariadb://`` is the same),
+  with optional query parameters ``driver`` (``pymysql``, the default, or
+  ``mysqlclient``), ``pool_size``, ``connect_timeout``, ``read_timeout``;
+* ``host:port`` (FriendFeed's form): a MySQL server; user, password and database
+  come from the keywords given to :func:`open_backend`.
+
+>>> open_backend("sqlite::memory:").dialect.name
+'sqlite'
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from bagstore.backends.base import Backend, EntityRow, Stored, check_identifier
+from bagstore.errors import ConfigurationError
+
+__all__ = [
+    "Backend",
+    "EntityRow",
+    "MySQLDefaults",
+    "Stored",
+    "check_identifier",
+    "open_backend",
+    "redact",
+]
+
+
+class MySQLDefaults:
+    """User, password and database for MySQL URLs that omit them.
+
+    Keywords win, then ``BAGSTORE_MYSQL_USER`` / ``BAGSTORE_MYSQL_PASSWORD`` /
+    ``BAGSTORE_MYSQL_DATABASE``, then ``root``, empty, ``bagstore``.
+    """
+
+    def __init__(
+        self, user: str | None = None, password: str | None = None, database: str | None = None
+    ) -> None:
+        env = os.environ
+        self.user = user if user is not None else env.get("BAGSTORE_MYSQL_USER", "root")
+        self.password = password if password is not None else env.get("BAGSTORE_MYSQL_PASSWORD", "")
+        self.database = (
+            database if database is not None else env.get("BAGSTORE_MYSQL_DATABASE", "bagstore")
+        )
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages and the catalog."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+def _int(value: str, what: str, url: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigurationError(f"{what} must be an integer in {redact(url)!r}") from None
+
+
+def open_backend(
+    url: str, *, mysql: MySQLDefaults | None = None, sqlite_synchronous: str = "NORMAL"
+) -> Backend:
+    """Make the backend a shard URL names (no connection is opened yet)."""
+    if not isinstance(url, str) or not url:
+        raise ConfigurationError(f"a shard URL must be a non-empty string, not {url!r}")
+    if url.startswith("sqlite:"):
+        from bagstore.backends.sqlite import SQLiteBackend
+
+        rest = url[len("sqlite:") :]
+        if rest == ":memory:":
+            return SQLiteBackend(":memory:", synchronous=sqlite_synchronous)
+        if not rest.startswith("///") or len(rest) == 3:
+            raise ConfigurationError(
+                f"bad SQLite URL {url!r}: use sqlite:///relative/file.db or sqlite:////abs/file.db"
+            )
+        return SQLiteBackend(rest[3:], synchronous=sqlite_synchronous)
+    defaults = mysql or MySQLDefaults()
+    if "://" not in url:
+        host, sep, port = url.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigurationError(
+                f"unknown shard {url!r}: expected host:port, mysql://..., or sqlite:///..."
+            )
+        url = f"mysql://{host}:{port}"
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("mysql", "mariadb", "mysql+pymysql", "mysql+mysqldb", "mysql+mysqlclient"):
+        raise ConfigurationError(
+            f"unknown URL scheme {parts.scheme!r} in {redact(url)!r} "
+            "(bagstore knows sqlite:, mysql:, mariadb:)"
+        )
+    from bagstore.backends.mysql import MySQLBackend
+
+    query = dict(parse_qsl(parts.query))
+    known = {"driver", "pool_size", "connect_timeout", "read_timeout"}
+    unknown = set(query) - known
+    if unknown:
+        raise ConfigurationError(f"unknown option(s) {sorted(unknown)} in {redact(url)!r}")
+    driver = query.get("driver") or (scheme.split("+", 1)[1] if "+" in scheme else "pymysql")
+    database = unquote(parts.path.lstrip("/")) or defaults.database
+    try:
+        port_no = parts.port or 3306
+    except ValueError:
+        raise ConfigurationError(f"bad port in {redact(url)!r}") from None
+    kwargs: dict[str, Any] = {
+        "host": parts.hostname or "127.0.0.1",
+        "port": port_no,
+        "user": unquote(parts.username) if parts.username else defaults.user,
+        "password": unquote(parts.password) if parts.password is not None else defaults.password,
+        "database": database,
+        "driver": driver,
+    }
+    if "pool_size" in query:
+        kwargs["pool_size"] = _int(query["pool_size"], "pool_size", url)
+    for key in ("connect_timeout", "read_timeout"):
+        if key in query:
+            try:
+                kwargs[key] = float(query[key])
+            except ValueError:
+                raise ConfigurationError(f"{key} must be a number in {redact(url)!r}") from None
+    return MySQLBackend(**kwargs)

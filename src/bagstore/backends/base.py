@@ -1,0 +1,584 @@
+"""The storage backend: one shard's database, its connections, and all its SQL.
+
+A :class:`Backend` owns the connections to one shard and runs every statement
+bagstore sends there.  The SQL text is built by its :class:`Dialect` (data plus
+small builder methods); ``sqlite.py`` and ``mysql.py`` subclass both.  Nothing
+outside ``backends/`` writes SQL or asks which database it talks to.
+
+Identifiers are checked against ``^[A-Za-z_][A-Za-z0-9_]{0,63}$`` and quoted;
+values are always bound parameters.  Driver exceptions are translated into the
+bagstore error tree in exactly one place, :func:`translate_errors`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, TypeVar
+
+from bagstore.backends.buckets import BucketOps, ownership_error
+from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
+from bagstore.errors import BackendError, BagstoreError, ConfigurationError, ShardUnavailable
+
+__all__ = [
+    "IDENTIFIER",
+    "Backend",
+    "Dialect",
+    "EntityRow",
+    "Stored",
+    "check_identifier",
+    "translate_errors",
+]
+
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+T = TypeVar("T")
+
+
+def check_identifier(name: object, what: str = "name") -> str:
+    """Return ``name`` if it is a plain identifier, else raise ``ConfigurationError``.
+
+    >>> check_identifier("index_user_id")
+    'index_user_id'
+    """
+    if not isinstance(name, str) or IDENTIFIER.fullmatch(name) is None:
+        raise ConfigurationError(
+            f"{what} {name!r} is not a plain identifier "
+            "(letters, digits and _, not starting with a digit, at most 64 characters)"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class EntityRow:
+    """One row of an entities table as bagstore writes it."""
+
+    id: bytes
+    bucket: int
+    updated: int  # microseconds since the Unix epoch, UTC
+    body: bytes
+
+
+class Stored(NamedTuple):
+    """An entity row as read back: encoded body, version, updated (µs)."""
+
+    body: bytes
+    version: int
+    updated: int
+
+
+class Dialect:
+    """SQL text for one database family.  Subclasses override what differs."""
+
+    name: ClassVar[str] = "generic"
+    param: ClassVar[str] = "?"
+    quote_char: ClassVar[str] = '"'
+    for_update: ClassVar[str] = ""
+    share_lock: ClassVar[str] = ""
+    begin_write: ClassVar[str] = "BEGIN"
+    key_type: ClassVar[str] = "BLOB"
+    id_type: ClassVar[str] = "BLOB"
+    int_type: ClassVar[str] = "INTEGER"
+    bigint_type: ClassVar[str] = "INTEGER"
+
+    def q(self, name: str) -> str:
+        """Validate and quote an identifier."""
+        check_identifier(name)
+        return f"{self.quote_char}{name}{self.quote_char}"
+
+    def params(self, n: int) -> str:
+        return ", ".join([self.param] * n)
+
+    # -- catalog -------------------------------------------------------------
+    def create_catalog_sql(self) -> list[str]:
+        raise NotImplementedError
+
+    def insert_ignore_sql(self, table: str, columns: Sequence[str], rows: int = 1) -> str:
+        raise NotImplementedError
+
+    def upsert_sql(self, table: str, key: Sequence[str], values: Sequence[str]) -> str:
+        raise NotImplementedError
+
+    def create_stamp_sql(self) -> list[str]:
+        return [
+            "CREATE TABLE IF NOT EXISTS bagstore_shard (one INTEGER NOT NULL PRIMARY KEY, "
+            "store VARCHAR(64) NOT NULL, shard_no INTEGER NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS bagstore_owned (bucket INTEGER NOT NULL PRIMARY KEY, "
+            "state INTEGER NOT NULL)",
+            # id -> bucket of entities of kinds placed by a shard key; a row lives
+            # on the bucket of its id's hash (bagstore_bucket).
+            f"CREATE TABLE IF NOT EXISTS bagstore_ids (kind VARCHAR(64) NOT NULL, "
+            f"entity_id {self.id_type} NOT NULL, bagstore_bucket INTEGER NOT NULL, "
+            "entity_bucket INTEGER NOT NULL, PRIMARY KEY (kind, entity_id))",
+            *self.create_secondary_sql("bagstore_ids", "bagstore_ids_bucket", ["bagstore_bucket"]),
+        ]
+
+    def create_secondary_sql(self, table: str, name: str, columns: Sequence[str]) -> list[str]:
+        """A secondary index created with its table (SQLite) or after it."""
+        raise NotImplementedError
+
+    def owned_sql(self, n: int) -> str:
+        """Ownership rows of ``n`` buckets, share-locked until the transaction ends."""
+        return (
+            f"SELECT bucket, state FROM bagstore_owned WHERE bucket IN ({self.params(n)})"
+            + self.share_lock
+        )
+
+    def fenced_insert_sql(
+        self, table: str, columns: Sequence[str], rows: int, *, ignore: bool
+    ) -> str:
+        """Insert rows whose ``bagstore_bucket`` this shard owns (others are
+        dropped); with ``ignore``, rows already present are left alone."""
+        raise NotImplementedError
+
+    def _fenced_select(self, columns: Sequence[str], rows: int) -> str:
+        """``SELECT v.k0, ... FROM (<rows of parameters>) v JOIN bagstore_owned``."""
+        aliases = [f"k{i}" for i in range(len(columns))]
+        first = "SELECT " + ", ".join(f"{self.param} AS {a}" for a in aliases)
+        more = " UNION ALL SELECT " + self.params(len(columns))
+        bucket = aliases[columns.index(BUCKET)]
+        return (
+            f"SELECT {', '.join('v.' + a for a in aliases)} FROM ({first}{more * (rows - 1)}) v "
+            f"JOIN bagstore_owned o ON o.bucket = v.{bucket} AND o.state = 0"
+        )
+
+    def fenced_upsert_sql(self, kind: str) -> str:
+        """Upsert one entity only if this shard owns its bucket (0 rows if not)."""
+        raise NotImplementedError
+
+    def copy_entities_sql(self, kind: str, rows: int) -> str:
+        """Upsert rows ``(id, bucket, updated, version, body)`` keeping their version."""
+        raise NotImplementedError
+
+    # -- entities ------------------------------------------------------------
+    def create_entities_sql(self, kind: str) -> list[str]:
+        raise NotImplementedError
+
+    def upsert_entities_sql(self, kind: str, rows: int) -> str:
+        raise NotImplementedError
+
+    def select_bodies_sql(self, kind: str, n: int, *, lock: bool = False) -> str:
+        sql = (
+            f"SELECT id, body, version, updated FROM {self.q(kind)} WHERE id"
+            f"{' = ' + self.param if n == 1 else ' IN (' + self.params(n) + ')'}"
+        )
+        return sql + self.for_update if lock else sql
+
+    def delete_entities_sql(self, kind: str, n: int) -> str:
+        cond = f" = {self.param}" if n == 1 else f" IN ({self.params(n)})"
+        return f"DELETE FROM {self.q(kind)} WHERE id{cond}"
+
+    def create_index_table_sql(self, table: str, columns: Sequence[str], unique: bool) -> list[str]:
+        raise NotImplementedError
+
+    def _index_table_parts(self, columns: Sequence[str], unique: bool) -> tuple[str, str]:
+        """Column definitions and primary key of an index table."""
+        defs = [f"{self.q(c)} {self.key_type} NOT NULL" for c in columns]
+        defs.append(f"{ENTITY_ID} {self.id_type} NOT NULL")
+        defs.append(f"{BUCKET} {self.int_type} NOT NULL")
+        if unique:
+            defs.append(f"{CLAIMED} {self.bigint_type} NOT NULL")
+        key = [self.q(c) for c in columns] + ([] if unique else [ENTITY_ID])
+        return ", ".join(defs), f"PRIMARY KEY ({', '.join(key)})"
+
+    def count_sql(self, table: str) -> str:
+        return f"SELECT COUNT(*) FROM {self.q(table)}"
+
+
+class Backend(BucketOps, IndexOps):
+    """One shard: a database reached through a pool of DB-API connections.
+
+    Subclasses provide ``_acquire``/``_release``/``_discard`` (connection
+    handling), ``classify`` (driver error -> bagstore error class) and
+    ``driver_errors`` (the driver's exception base classes).
+    """
+
+    dialect: Dialect
+    driver_errors: tuple[type[BaseException], ...] = ()
+    #: Largest encoded body a row may hold on this backend.
+    max_body_bytes: int = 16 * 1024 * 1024 - 1
+    #: Largest statement (bytes of bound values) one multi-row INSERT may carry.
+    max_statement_bytes: int = 8 * 1024 * 1024
+    #: Most rows one multi-row statement may carry (bound-variable limits).
+    max_statement_rows: int = 1000
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._schema_lock = threading.Lock()
+        self._ready_kinds: set[str] = set()
+        #: Index scans sent to this shard (tests count them to see routing).
+        self.scans = 0
+
+    # -- connections ---------------------------------------------------------
+    def _acquire(self) -> Any:
+        raise NotImplementedError
+
+    def _release(self, conn: Any) -> None:
+        raise NotImplementedError
+
+    def _discard(self, conn: Any) -> None:
+        raise NotImplementedError
+
+    def classify(self, exc: BaseException) -> type[BackendError]:
+        """The bagstore error class for a driver exception."""
+        return BackendError
+
+    def is_retryable(self, exc: BaseException) -> bool:
+        """True if a statement failing with ``exc`` may simply be run again
+        on a fresh connection (lost connection, deadlock victim)."""
+        return False
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def connection(self) -> Iterator[Any]:
+        """A connection for one unit of work; a broken one is discarded."""
+        with translate_errors(self):
+            conn = self._acquire()
+        try:
+            with translate_errors(self):
+                yield conn
+        except BaseException as exc:
+            cause = exc.__cause__ if isinstance(exc, BackendError) else exc
+            if isinstance(exc, ShardUnavailable) or (
+                cause is not None and self.is_retryable(cause)
+            ):
+                self._discard(conn)
+            else:
+                self._rollback_quietly(conn)
+                self._release(conn)
+            raise
+        else:
+            self._release(conn)
+
+    def _rollback_quietly(self, conn: Any) -> None:
+        try:
+            conn.rollback()
+        except self.driver_errors:
+            self._discard(conn)
+            raise
+
+    def run(self, work: Callable[[Any], T], *, attempts: int = 3) -> T:
+        """Run ``work(connection)``; retry on a fresh connection when the failure
+        was a dropped connection or a deadlock (``work`` must be idempotent,
+        which every bagstore unit of work is: a transaction that did not
+        commit, or a read)."""
+        for attempt in range(attempts):
+            try:
+                with self.connection() as conn:
+                    return work(conn)
+            except BackendError as exc:
+                cause = exc.__cause__
+                if attempt + 1 >= attempts or cause is None or not self.is_retryable(cause):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _begin(self, cur: Any) -> None:
+        cur.execute(self.dialect.begin_write)
+
+    @contextmanager
+    def transaction(self, conn: Any) -> Iterator[Any]:
+        """A write transaction on ``conn``; yields a cursor; commits at the end."""
+        cur = conn.cursor()
+        try:
+            self._begin(cur)
+            yield cur
+            conn.commit()
+        except BaseException:
+            self._rollback_quietly(conn)
+            raise
+        finally:
+            cur.close()
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Run one statement in autocommit mode; return its row count."""
+
+        def work(conn: Any) -> int:
+            cur = conn.cursor()
+            try:
+                cur.execute(sql, params)
+                return int(cur.rowcount)
+            finally:
+                cur.close()
+
+        return self.run(work)
+
+    def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        def work(conn: Any) -> list[tuple[Any, ...]]:
+            cur = conn.cursor()
+            try:
+                cur.execute(sql, params)
+                return list(cur.fetchall())
+            finally:
+                cur.close()
+
+        return self.run(work)
+
+    def _executescript(self, statements: Sequence[str]) -> None:
+        def work(conn: Any) -> None:
+            cur = conn.cursor()
+            try:
+                for sql in statements:
+                    cur.execute(sql)
+            finally:
+                cur.close()
+
+        self.run(work)
+
+    # -- catalog -------------------------------------------------------------
+    def create_catalog(self) -> None:
+        self._executescript(self.dialect.create_catalog_sql())
+
+    def insert_ignore(
+        self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> None:
+        """Insert rows, leaving alone any whose key exists (one statement per chunk)."""
+        for start in range(0, len(rows), 500):
+            chunk = rows[start : start + 500]
+            sql = self.dialect.insert_ignore_sql(table, columns, len(chunk))
+            self.execute(sql, [v for row in chunk for v in row])
+
+    def select_all(
+        self, table: str, columns: Sequence[str], where: dict[str, Any] | None = None
+    ) -> list[tuple[Any, ...]]:
+        d = self.dialect
+        cols = ", ".join(d.q(c) for c in columns)
+        cond = " AND ".join(f"{d.q(k)} = {d.param}" for k in where or {})
+        sql = f"SELECT {cols} FROM {d.q(table)}" + (f" WHERE {cond}" if cond else "")
+        return self.fetchall(sql, list((where or {}).values()))
+
+    def upsert(self, table: str, key: dict[str, Any], values: dict[str, Any]) -> None:
+        """Insert the row, or update ``values`` where ``key`` exists: one statement."""
+        sql = self.dialect.upsert_sql(table, list(key), list(values))
+        self.execute(sql, [*key.values(), *values.values()])
+
+    def update(self, table: str, values: dict[str, Any], where: dict[str, Any]) -> int:
+        """``UPDATE table SET values WHERE where``; the number of rows changed."""
+        d = self.dialect
+        sets = ", ".join(f"{d.q(k)} = {d.param}" for k in values)
+        cond = " AND ".join(f"{d.q(k)} = {d.param}" for k in where)
+        return self.execute(
+            f"UPDATE {d.q(table)} SET {sets} WHERE {cond}", [*values.values(), *where.values()]
+        )
+
+    def delete_where(self, table: str, where: dict[str, Any]) -> int:
+        d = self.dialect
+        cond = " AND ".join(f"{d.q(k)} = {d.param}" for k in where)
+        return self.execute(f"DELETE FROM {d.q(table)} WHERE {cond}", list(where.values()))
+
+    def has_rows(self, table: str) -> bool:
+        """Whether a table holds any row (cheap even on huge tables)."""
+        return bool(self.fetchall(f"SELECT 1 FROM {self.dialect.q(table)} LIMIT 1"))
+
+    def stamp(self, store_id: str, shard_no: int) -> tuple[str, int]:
+        """Mark this database as shard ``shard_no`` of store ``store_id`` unless it
+        is marked already; return the mark it holds."""
+        self._executescript(self.dialect.create_stamp_sql())
+        self.insert_ignore(
+            "bagstore_shard", ("one", "store", "shard_no"), [(1, store_id, shard_no)]
+        )
+        store, no = self.select_all("bagstore_shard", ("store", "shard_no"))[0]
+        return str(store), int(no)
+
+    # -- entities ------------------------------------------------------------
+    def ensure_kind(self, kind: str) -> None:
+        """Create the entities table of ``kind`` when missing (once per process)."""
+        if kind in self._ready_kinds:
+            return
+        with self._schema_lock:
+            if kind not in self._ready_kinds:
+                self._executescript(self.dialect.create_entities_sql(kind))
+                self._ready_kinds.add(kind)
+
+    def get_bodies(self, kind: str, ids: Sequence[bytes]) -> dict[bytes, Stored]:
+        """``{id: Stored(body, version, updated)}`` of the ids present on this shard."""
+        if not ids:
+            return {}
+        sql = self.dialect.select_bodies_sql(kind, len(ids))
+        return {
+            bytes(r[0]): Stored(bytes(r[1]), int(r[2]), int(r[3])) for r in self.fetchall(sql, ids)
+        }
+
+    def _chunks(self, rows: Sequence[EntityRow]) -> Iterator[Sequence[EntityRow]]:
+        """Split rows so that one statement stays under ``max_statement_bytes``."""
+        start, size = 0, 0
+        for i, row in enumerate(rows):
+            size += len(row.body) + 64
+            if i > start and (
+                size > self.max_statement_bytes or i - start >= self.max_statement_rows
+            ):
+                yield rows[start:i]
+                start, size = i, len(row.body) + 64
+        if start < len(rows):
+            yield rows[start:]
+
+    def put_entities(
+        self,
+        kind: str,
+        rows: Sequence[EntityRow],
+        *,
+        read_old: bool,
+        versions: dict[bytes, int] | None = None,
+    ) -> dict[bytes, bytes]:
+        """Upsert rows in one transaction; with ``read_old`` return the bodies
+        they replaced (read in the same transaction, rows locked).  With
+        ``read_old``, ``versions`` (if given) is filled with each row's new
+        version (the one read + 1, or 1), for the cache's markers."""
+        d = self.dialect
+
+        def work(conn: Any) -> dict[bytes, bytes]:
+            if not read_old and len(rows) == 1:
+                # One statement that checks ownership and upserts: no BEGIN/COMMIT.
+                r = rows[0]
+                cur = conn.cursor()
+                try:
+                    cur.execute(
+                        d.fenced_upsert_sql(kind), [r.id, r.bucket, r.updated, r.body, r.bucket]
+                    )
+                    written = cur.rowcount
+                finally:
+                    cur.close()
+                if written == 0:
+                    self.check_owned([r.bucket])
+                return {}
+            old: dict[bytes, bytes] = {}
+            with self.transaction(conn) as cur:
+                self._check_owned_in(cur, [r.bucket for r in rows])
+                if read_old:
+                    ids = [r.id for r in rows]
+                    for start in range(0, len(ids), 1000):
+                        part = ids[start : start + 1000]
+                        cur.execute(d.select_bodies_sql(kind, len(part), lock=True), part)
+                        for r in cur.fetchall():
+                            old[bytes(r[0])] = bytes(r[1])
+                            if versions is not None:
+                                versions[bytes(r[0])] = int(r[2]) + 1
+                    if versions is not None:
+                        for r in rows:
+                            versions.setdefault(r.id, 1)
+                for chunk in self._chunks(rows):
+                    cur.execute(d.upsert_entities_sql(kind, len(chunk)), _flatten(chunk))
+            return old
+
+        return self.run(work)
+
+    def _check_owned_in(self, cur: Any, buckets: Sequence[int]) -> None:
+        """Inside a write transaction: lock the buckets' ownership rows (shared)
+        and raise unless this shard owns them all."""
+        wanted = sorted(set(buckets))
+        states: dict[int, int] = {}
+        for start in range(0, len(wanted), 1000):
+            part = wanted[start : start + 1000]
+            cur.execute(self.dialect.owned_sql(len(part)), part)
+            states.update({int(b): int(s) for b, s in cur.fetchall()})
+        error = ownership_error(self.name, wanted, states)
+        if error is not None:
+            raise error
+
+    def delete_entities(
+        self,
+        kind: str,
+        ids: Sequence[bytes],
+        buckets: Sequence[int],
+        *,
+        read_old: bool,
+        versions: dict[bytes, int] | None = None,
+    ) -> dict[bytes, bytes | None]:
+        """Delete ids (of ``buckets``, which this shard must own); return ``{id:
+        old body}`` of those that existed (the body is ``None`` unless ``read_old``).
+        ``versions`` (if given) is filled with the deleted rows' versions."""
+        d = self.dialect
+
+        def work(conn: Any) -> dict[bytes, bytes | None]:
+            with self.transaction(conn) as cur:
+                self._check_owned_in(cur, buckets)
+                found: dict[bytes, bytes | None] = {}
+                for start in range(0, len(ids), 1000):
+                    part = list(ids[start : start + 1000])
+                    cur.execute(d.select_bodies_sql(kind, len(part), lock=True), part)
+                    rows = cur.fetchall()
+                    for r in rows:
+                        found[bytes(r[0])] = bytes(r[1]) if read_old else None
+                        if versions is not None:
+                            versions[bytes(r[0])] = int(r[2])
+                    if rows:
+                        cur.execute(d.delete_entities_sql(kind, len(part)), part)
+                return found
+
+        if not ids:
+            return {}
+        return self.run(work)
+
+    def scan_entities(
+        self, kind: str, after_added_id: int, limit: int
+    ) -> list[tuple[int, bytes, bytes, int]]:
+        """``(added_id, id, body, updated)`` of the next rows after ``after_added_id``."""
+        d = self.dialect
+        sql = (
+            f"SELECT added_id, id, body, updated FROM {d.q(kind)} WHERE added_id > {d.param} "
+            f"ORDER BY added_id LIMIT {int(limit)}"
+        )
+        return [
+            (int(r[0]), bytes(r[1]), bytes(r[2]), int(r[3]))
+            for r in self.fetchall(sql, [after_added_id])
+        ]
+
+    def scan_recent(
+        self, kind: str, before: tuple[int, int] | None, since: int | None, limit: int
+    ) -> list[tuple[int, bytes, bytes, int]]:
+        """``(added_id, id, body, updated)``, most recently updated first, strictly
+        before the ``(updated, added_id)`` position, not older than ``since``."""
+        d, p = self.dialect, self.dialect.param
+        where, params = [], []
+        if before is not None:
+            where.append(f"(updated < {p} OR (updated = {p} AND added_id < {p}))")
+            params += [before[0], before[0], before[1]]
+        if since is not None:
+            where.append(f"updated >= {p}")
+            params.append(since)
+        sql = (
+            f"SELECT added_id, id, body, updated FROM {d.q(kind)}"
+            + (f" WHERE {' AND '.join(where)}" if where else "")
+            + f" ORDER BY updated DESC, added_id DESC LIMIT {int(limit)}"
+        )
+        return [
+            (int(r[0]), bytes(r[1]), bytes(r[2]), int(r[3])) for r in self.fetchall(sql, params)
+        ]
+
+    def versions(self, kind: str, ids: Sequence[bytes]) -> dict[bytes, tuple[int, int]]:
+        """``{id: (version, updated)}`` of the ids present."""
+        if not ids:
+            return {}
+        d = self.dialect
+        sql = f"SELECT id, version, updated FROM {d.q(kind)} WHERE id IN ({d.params(len(ids))})"
+        return {bytes(r[0]): (int(r[1]), int(r[2])) for r in self.fetchall(sql, list(ids))}
+
+    def max_added_id(self, kind: str) -> int:
+        rows = self.fetchall(f"SELECT MAX(added_id) FROM {self.dialect.q(kind)}")
+        return int(rows[0][0] or 0)
+
+    def count(self, table: str) -> int:
+        return int(self.fetchall(self.dialect.count_sql(table))[0][0])
+
+
+def _flatten(rows: Sequence[EntityRow]) -> list[Any]:
+    out: list[Any] = []
+    for r in rows:
+        out += (r.id, r.bucket, r.updated, r.body)
+    return out
+
+
+@contextmanager
+def translate_errors(backend: Backend) -> Iterator[None]:
+    """Turn a driver exception into the bagstore error tree (``raise ... from``)."""
+    try:
+        yield
+    except BagstoreError:
+        raise
+    except backend.driver_errors as exc:
+        cls = backend.classify(exc)
+        raise cls(f"shard {backend.name}: {exc}", shard=backend.name) from exc

@@ -1,0 +1,264 @@
+"""SQL for index tables: create, insert, delete, scan, and unique claims.
+
+An index table holds one key column per indexed property (the order-preserving
+encoding of :mod:`bagstore.keys`, compared bytewise on every backend), the
+``entity_id``, and ``bagstore_bucket`` (the bucket of the row's ``shard_on``
+value, so that a bucket's rows can be found when it moves).  A unique index also
+has ``claimed``: when its row was claimed, in microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from bagstore.errors import DuplicateValue
+
+if TYPE_CHECKING:
+    from bagstore.backends.base import Dialect
+
+__all__ = ["IndexOps", "IndexRow", "Scan"]
+
+ENTITY_ID = "entity_id"
+BUCKET = "bagstore_bucket"
+CLAIMED = "claimed"
+RESERVED = frozenset({ENTITY_ID, BUCKET, CLAIMED})
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRow:
+    """One row of an index table: stored keys (one per property), entity id, bucket."""
+
+    keys: tuple[bytes, ...]
+    entity_id: bytes
+    bucket: int
+
+
+@dataclass
+class Scan:
+    """One keyset-paged range scan of an index table on one shard.
+
+    ``eq`` gives, for each leading column, the stored keys it may equal (one
+    value, or several for ``__in``); ``lower``/``upper`` bound the next column;
+    ``after`` is the keyset position (the order columns then entity id) to
+    continue strictly after.
+    """
+
+    table: str
+    columns: tuple[str, ...]
+    eq: list[list[bytes]] = field(default_factory=list)
+    lower: tuple[bytes, bool] | None = None
+    upper: tuple[bytes, bool] | None = None
+    after: tuple[bytes, ...] | None = None
+    desc: bool = False
+    limit: int = 100
+
+    @property
+    def order_columns(self) -> tuple[str, ...]:
+        return (*self.columns[len(self.eq) :], ENTITY_ID)
+
+
+def scan_sql(d: Dialect, s: Scan) -> tuple[str, list[Any]]:
+    """``SELECT <order columns> FROM t WHERE ... ORDER BY ... LIMIT n``."""
+    where: list[str] = []
+    params: list[Any] = []
+    for col, values in zip(s.columns, s.eq, strict=False):
+        if len(values) == 1:
+            where.append(f"{d.q(col)} = {d.param}")
+        else:
+            where.append(f"{d.q(col)} IN ({d.params(len(values))})")
+        params.extend(values)
+    order = s.order_columns
+    if s.lower is not None:
+        where.append(f"{d.q(order[0])} {'>=' if s.lower[1] else '>'} {d.param}")
+        params.append(s.lower[0])
+    if s.upper is not None:
+        where.append(f"{d.q(order[0])} {'<=' if s.upper[1] else '<'} {d.param}")
+        params.append(s.upper[0])
+    if s.after is not None:
+        cond, cparams = _keyset(d, order, s.after, "<" if s.desc else ">")
+        where.append(cond)
+        params.extend(cparams)
+    direction = " DESC" if s.desc else ""
+    sql = (
+        f"SELECT {', '.join(d.q(c) for c in order)} FROM {d.q(s.table)}"
+        + (f" WHERE {' AND '.join(where)}" if where else "")
+        + f" ORDER BY {', '.join(d.q(c) + direction for c in order)} LIMIT {int(s.limit)}"
+    )
+    return sql, params
+
+
+def _keyset(
+    d: Dialect, cols: Sequence[str], after: Sequence[bytes], op: str
+) -> tuple[str, list[Any]]:
+    """``(a, b, c) > (x, y, z)`` spelled so every optimiser uses the index:
+    ``a >= x AND (a > x OR (a = x AND (b > y OR (b = y AND c > z))))``."""
+    if len(cols) != len(after):
+        raise ValueError("cursor does not match the index columns")
+    inner = f"{d.q(cols[-1])} {op} {d.param}"
+    params: list[Any] = [after[-1]]
+    for col, value in zip(reversed(cols[:-1]), reversed(after[:-1]), strict=True):
+        inner = f"{d.q(col)} {op} {d.param} OR ({d.q(col)} = {d.param} AND ({inner}))"
+        params = [value, value, *params]
+    first = f"{d.q(cols[0])} {op}= {d.param}"
+    return f"{first} AND ({inner})", [after[0], *params]
+
+
+def _row_match(d: Dialect, columns: Sequence[str], n: int) -> str:
+    one = " AND ".join(f"{d.q(c)} = {d.param}" for c in (*columns, ENTITY_ID))
+    return " OR ".join([f"({one})"] * n)
+
+
+class IndexOps:
+    """Index-table operations; mixed into :class:`bagstore.backends.base.Backend`."""
+
+    # Provided by Backend:
+    dialect: Dialect
+    name: str
+    scans: int
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        raise NotImplementedError
+
+    def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
+
+    def _executescript(self, statements: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def check_owned(self, buckets: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def insert_ignore(
+        self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> None:
+        raise NotImplementedError
+
+    def ensure_index_table(self, table: str, columns: Sequence[str], unique: bool) -> None:
+        self._executescript(self.dialect.create_index_table_sql(table, columns, unique))
+
+    def drop_index_table(self, table: str) -> None:
+        self._executescript([f"DROP TABLE IF EXISTS {self.dialect.q(table)}"])
+
+    def insert_index_rows(
+        self,
+        table: str,
+        columns: Sequence[str],
+        rows: Sequence[IndexRow],
+        *,
+        claimed: int | None = None,
+        fenced: bool = False,
+    ) -> int:
+        """Insert rows, leaving existing ones alone; ``claimed`` (the time) for a
+        unique index's rows.  With ``fenced``, only rows of buckets this shard
+        owns are written, and StalePlacement / KeyMigrating is raised if any
+        bucket is not owned."""
+        cols = (*columns, ENTITY_ID, BUCKET) + ((CLAIMED,) if claimed is not None else ())
+        extra = (claimed,) if claimed is not None else ()
+        written = 0
+        for start in range(0, len(rows), 200):
+            chunk = rows[start : start + 200]
+            if fenced:
+                sql = self.dialect.fenced_insert_sql(table, cols, len(chunk), ignore=True)
+            else:
+                sql = self.dialect.insert_ignore_sql(table, cols, len(chunk))
+            n = self.execute(
+                sql, [v for r in chunk for v in (*r.keys, r.entity_id, r.bucket, *extra)]
+            )
+            if fenced and n < len(chunk):  # duplicates, or buckets not owned here
+                self.check_owned([r.bucket for r in chunk])
+            written += n
+        return written
+
+    def delete_index_rows(
+        self, table: str, columns: Sequence[str], rows: Sequence[IndexRow]
+    ) -> int:
+        d, removed = self.dialect, 0
+        for start in range(0, len(rows), 200):
+            chunk = rows[start : start + 200]
+            sql = f"DELETE FROM {d.q(table)} WHERE {_row_match(d, columns, len(chunk))}"
+            removed += self.execute(sql, [v for r in chunk for v in (*r.keys, r.entity_id)])
+        return removed
+
+    def scan_index(self, scan: Scan) -> list[tuple[bytes, ...]]:
+        self.scans += 1
+        sql, params = scan_sql(self.dialect, scan)
+        return [tuple(bytes(v) for v in row) for row in self.fetchall(sql, params)]
+
+    # -- unique claims -----------------------------------------------------------
+    def claim(
+        self, table: str, columns: Sequence[str], row: IndexRow, now: int
+    ) -> tuple[bytes, int] | None:
+        """Try to claim a unique value for ``row.entity_id``.
+
+        Returns None when the value is now ours (inserted, or already ours, in
+        which case ``claimed`` is refreshed), else ``(owner, claimed)`` of the
+        row that holds it.
+        """
+        d = self.dialect
+        cols = (*columns, ENTITY_ID, BUCKET, CLAIMED)
+        sql = d.fenced_insert_sql(table, cols, 1, ignore=False)
+        try:
+            if self.execute(sql, [*row.keys, row.entity_id, row.bucket, now]) == 1:
+                return None
+            self.check_owned([row.bucket])  # raises: the bucket is not owned here
+            raise AssertionError("fenced insert wrote nothing in an owned bucket")
+        except DuplicateValue:
+            pass
+        match = " AND ".join(f"{d.q(c)} = {d.param}" for c in columns)
+        found = self.fetchall(
+            f"SELECT {ENTITY_ID}, {CLAIMED} FROM {d.q(table)} WHERE {match}", list(row.keys)
+        )
+        if not found:  # released meanwhile: try again
+            return self.claim(table, columns, row, now)
+        owner, claimed = bytes(found[0][0]), int(found[0][1])
+        if owner == row.entity_id:
+            self.execute(
+                f"UPDATE {d.q(table)} SET {CLAIMED} = {d.param} WHERE {match}",
+                [now, *row.keys],
+            )
+            return None
+        return owner, claimed
+
+    def take_over(
+        self,
+        table: str,
+        columns: Sequence[str],
+        row: IndexRow,
+        owner: bytes,
+        claimed: int,
+        now: int,
+    ) -> bool:
+        """Move a claim from ``owner`` (seen with ``claimed``) to ``row.entity_id``;
+        False if the row changed since it was seen."""
+        d = self.dialect
+        match = " AND ".join(f"{d.q(c)} = {d.param}" for c in columns)
+        sql = (
+            f"UPDATE {d.q(table)} SET {ENTITY_ID} = {d.param}, {BUCKET} = {d.param}, "
+            f"{CLAIMED} = {d.param} WHERE {match} AND {ENTITY_ID} = {d.param} "
+            f"AND {CLAIMED} = {d.param} AND EXISTS (SELECT 1 FROM bagstore_owned "
+            f"WHERE bucket = {d.param} AND state = 0)"
+        )
+        params = [row.entity_id, row.bucket, now, *row.keys, owner, claimed, row.bucket]
+        return self.execute(sql, params) == 1
+
+    def rows_of_entities(
+        self, table: str, columns: Sequence[str], ids: Sequence[bytes]
+    ) -> list[IndexRow]:
+        """Every row of the table that points at one of ``ids``."""
+        d = self.dialect
+        cols = (*columns, ENTITY_ID, BUCKET)
+        out: list[IndexRow] = []
+        n = len(columns)
+        for start in range(0, len(ids), 500):
+            part = list(ids[start : start + 500])
+            rows = self.fetchall(
+                f"SELECT {', '.join(d.q(c) for c in cols)} FROM {d.q(table)} "
+                f"WHERE {ENTITY_ID} IN ({d.params(len(part))})",
+                part,
+            )
+            out += [
+                IndexRow(tuple(bytes(v) for v in r[:n]), bytes(r[n]), int(r[n + 1])) for r in rows
+            ]
+        return out

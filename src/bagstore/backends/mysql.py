@@ -1,0 +1,330 @@
+"""MariaDB / MySQL through PyMySQL (default) or mysqlclient.
+
+Driver quirks live here: every session runs with ``time_zone='+00:00'`` and a
+strict ``sql_mode``; bytes go over the wire with the ``_binary`` prefix; the
+database is created when missing (``utf8mb4_bin``, so text compares as
+bytes); connections idle for a minute are pinged before use and replaced if the
+server dropped them; a statement that failed on a lost connection or as a
+deadlock victim is retried on a fresh connection (see ``Backend.run``).
+
+The largest body and the largest multi-row statement follow from the server's
+``max_allowed_packet`` (a value may be escaped to twice its size on the wire).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from bagstore.backends.base import Backend, Dialect, check_identifier
+from bagstore.backends.pool import Pool
+from bagstore.backends.seqsql import MySQLSequenceSQL, SequenceSQL
+from bagstore.errors import (
+    BackendError,
+    ConfigurationError,
+    DuplicateValue,
+    ShardTimeout,
+    ShardUnavailable,
+)
+
+__all__ = ["MySQLBackend", "MySQLDialect"]
+
+SQL_MODE = (
+    "STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,"
+    "ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION"
+)
+INIT_COMMAND = f"SET time_zone = '+00:00', sql_mode = '{SQL_MODE}'"
+
+# Client and server error codes, shared by PyMySQL and mysqlclient.
+_UNAVAILABLE = {
+    1040,  # too many connections
+    1053,  # server shutdown in progress
+    1927,  # connection was killed
+    2002,  # can't connect through socket
+    2003,  # can't connect to server
+    2005,  # unknown host
+    2006,  # server has gone away
+    2013,  # lost connection during query
+    2055,  # lost connection at reading initial packet
+    4031,  # disconnected by the server because of inactivity
+}
+_LOST = {1927, 2006, 2013, 2055, 4031}
+_TIMEOUT = {1205, 3024, 1969}  # lock wait timeout, max_execution_time, statement_timeout
+_DEADLOCK = {1213}
+_DUPLICATE = {1062}
+_UNKNOWN_DATABASE = 1049
+_MEDIUMBLOB_MAX = 16 * 1024 * 1024 - 1
+_ENGINE = "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+
+
+class MySQLDialect(Dialect):
+    #: Statement builders for id sequences (backends/seqsql.py).
+    sequences: ClassVar[SequenceSQL] = MySQLSequenceSQL()
+    name: ClassVar[str] = "mysql"
+    param: ClassVar[str] = "%s"
+    quote_char: ClassVar[str] = "`"
+    for_update: ClassVar[str] = " FOR UPDATE"
+    share_lock: ClassVar[str] = " LOCK IN SHARE MODE"
+    begin_write: ClassVar[str] = "BEGIN"
+    key_type: ClassVar[str] = "VARBINARY(255)"
+    id_type: ClassVar[str] = "BINARY(16)"
+    int_type: ClassVar[str] = "INT UNSIGNED"
+    bigint_type: ClassVar[str] = "BIGINT"
+
+    def create_catalog_sql(self) -> list[str]:
+        return [
+            "CREATE TABLE IF NOT EXISTS bagstore_meta "
+            f"(name VARCHAR(64) NOT NULL PRIMARY KEY, value TEXT NOT NULL) {_ENGINE}",
+            "CREATE TABLE IF NOT EXISTS bagstore_shards "
+            f"(shard_no INT NOT NULL PRIMARY KEY, name VARCHAR(512) NOT NULL) {_ENGINE}",
+            "CREATE TABLE IF NOT EXISTS bagstore_buckets "
+            f"(bucket INT NOT NULL PRIMARY KEY, shard_no INT NOT NULL) {_ENGINE}",
+            "CREATE TABLE IF NOT EXISTS bagstore_indexes (name VARCHAR(64) NOT NULL PRIMARY KEY, "
+            "kind VARCHAR(64) NOT NULL, definition TEXT NOT NULL, state VARCHAR(16) NOT NULL, "
+            f"changed BIGINT NOT NULL) {_ENGINE}",
+            "CREATE TABLE IF NOT EXISTS bagstore_checkpoints "
+            f"(name VARCHAR(191) NOT NULL PRIMARY KEY, value BIGINT NOT NULL) {_ENGINE}",
+            "CREATE TABLE IF NOT EXISTS bagstore_kinds (kind VARCHAR(64) PRIMARY KEY, "
+            f"shard_key VARCHAR(64) NOT NULL, shard_map VARCHAR(16) NOT NULL) {_ENGINE}",
+            "CREATE TABLE IF NOT EXISTS bagstore_moves (bucket INT NOT NULL PRIMARY KEY, "
+            f"source INT NOT NULL, target INT NOT NULL, phase VARCHAR(16) NOT NULL) {_ENGINE}",
+            "CREATE TABLE IF NOT EXISTS bagstore_directory (kind VARCHAR(64) NOT NULL, "
+            "skey VARBINARY(255) NOT NULL, bucket INT NOT NULL, state INT NOT NULL, "
+            f"PRIMARY KEY (kind, skey)) {_ENGINE}",
+            "CREATE TABLE IF NOT EXISTS bagstore_bucket_keys (kind VARCHAR(64) NOT NULL, "
+            f"bucket INT NOT NULL, n BIGINT NOT NULL, PRIMARY KEY (kind, bucket)) {_ENGINE}",
+        ]
+
+    def insert_ignore_sql(self, table: str, columns: Sequence[str], rows: int = 1) -> str:
+        # ON DUPLICATE KEY UPDATE a no-op rather than INSERT IGNORE, which would
+        # also turn truncation and other real errors into warnings.
+        cols = ", ".join(self.q(c) for c in columns)
+        values = ", ".join([f"({self.params(len(columns))})"] * rows)
+        first = self.q(columns[0])
+        return (
+            f"INSERT INTO {self.q(table)} ({cols}) VALUES {values} "
+            f"ON DUPLICATE KEY UPDATE {first} = {first}"
+        )
+
+    def create_secondary_sql(self, table: str, name: str, columns: Sequence[str]) -> list[str]:
+        cols = ", ".join(self.q(c) for c in columns)
+        # MariaDB knows IF NOT EXISTS for indexes; MySQL 8 does not (it would fail
+        # on a second run), so bagstore's MySQL tables declare keys inline instead.
+        return [f"CREATE INDEX IF NOT EXISTS {self.q(name)} ON {self.q(table)} ({cols})"]
+
+    def upsert_sql(self, table: str, key: Sequence[str], values: Sequence[str]) -> str:
+        cols = [*key, *values]
+        sets = ", ".join(f"{self.q(c)} = VALUES({self.q(c)})" for c in values)
+        return (
+            f"INSERT INTO {self.q(table)} ({', '.join(self.q(c) for c in cols)}) "
+            f"VALUES ({self.params(len(cols))}) ON DUPLICATE KEY UPDATE {sets}"
+        )
+
+    def create_entities_sql(self, kind: str) -> list[str]:
+        return [
+            f"CREATE TABLE IF NOT EXISTS {self.q(kind)} ("
+            " added_id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,"
+            " id BINARY(16) NOT NULL,"
+            " bucket INT UNSIGNED NOT NULL,"
+            " updated BIGINT NOT NULL,"
+            " version INT UNSIGNED NOT NULL DEFAULT 1,"
+            " body MEDIUMBLOB NOT NULL,"
+            " PRIMARY KEY (added_id),"
+            " UNIQUE KEY id (id),"
+            " KEY bucket (bucket, added_id),"
+            f" KEY updated (updated)) {_ENGINE}"
+        ]
+
+    def create_index_table_sql(self, table: str, columns: Sequence[str], unique: bool) -> list[str]:
+        defs, key = self._index_table_parts(columns, unique)
+        return [
+            f"CREATE TABLE IF NOT EXISTS {self.q(table)} ({defs}, {key}, "
+            "KEY bagstore_bucket (bagstore_bucket), "
+            f"KEY entity_id (entity_id)) {_ENGINE}"
+        ]
+
+    def fenced_insert_sql(
+        self, table: str, columns: Sequence[str], rows: int, *, ignore: bool
+    ) -> str:
+        t = self.q(table)
+        cols = ", ".join(self.q(c) for c in columns)
+        sql = f"INSERT INTO {t} ({cols}) {self._fenced_select(columns, rows)}"
+        if ignore:
+            first = f"{t}.{self.q(columns[0])}"
+            sql += f" ON DUPLICATE KEY UPDATE {first} = {first}"
+        return sql
+
+    def fenced_upsert_sql(self, kind: str) -> str:
+        # INSERT ... SELECT share-locks the ownership row, so a move's freeze
+        # waits for this write and the next write sees the frozen state.
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) "
+            "SELECT %s, %s, %s, 1, %s FROM bagstore_owned WHERE bucket = %s AND state = 0 "
+            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
+            "version = version + 1, body = VALUES(body)"
+        )
+
+    def copy_entities_sql(self, kind: str, rows: int) -> str:
+        values = ", ".join(["(%s, %s, %s, %s, %s)"] * rows)
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
+            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
+            "version = VALUES(version), body = VALUES(body)"
+        )
+
+    def upsert_entities_sql(self, kind: str, rows: int) -> str:
+        values = ", ".join(["(%s, %s, %s, 1, %s)"] * rows)
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
+            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
+            "version = version + 1, body = VALUES(body)"
+        )
+
+
+def _load_driver(name: str) -> Any:
+    module = {"pymysql": "pymysql", "mysqlclient": "MySQLdb", "mysqldb": "MySQLdb"}.get(name)
+    if module is None:
+        raise ConfigurationError(f"unknown MySQL driver {name!r} (use pymysql or mysqlclient)")
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"MySQL driver {name!r} is not installed (pip install 'bagstore[{name}]')"
+        ) from exc
+
+
+class MySQLBackend(Backend):
+    """One MariaDB/MySQL database (a schema) on one server."""
+
+    dialect = MySQLDialect()
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        user: str,
+        password: str,
+        database: str,
+        driver: str = "pymysql",
+        pool_size: int = 16,
+        connect_timeout: float = 5.0,
+        read_timeout: float | None = None,
+    ) -> None:
+        check_identifier(database, "MySQL database name")
+        super().__init__(f"mysql://{user}@{host}:{port}/{database}")
+        self.host, self.port, self.user, self.database = host, port, user, database
+        self._password = password
+        self._driver = _load_driver(driver)
+        self.driver_errors = (self._driver.Error,)
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._created_database = False
+        self._pool: Pool[Any] = Pool(
+            self._connect,
+            lambda c: c.close(),
+            size=pool_size,
+            alive=self._alive,
+            name=self.name,
+        )
+        self._limits_known = False
+
+    def _connect_args(self, database: str | None) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "user": self.user,
+            "password": self._password,
+            "charset": "utf8mb4",
+            "autocommit": True,
+            "init_command": INIT_COMMAND,
+            "connect_timeout": self._connect_timeout,
+            "binary_prefix": True,
+        }
+        if self._read_timeout is not None:
+            args["read_timeout"] = self._read_timeout
+        if database is not None:
+            args["database"] = database
+        return args
+
+    def _connect(self) -> Any:
+        drv = self._driver
+        try:
+            conn = drv.connect(**self._connect_args(self.database))
+        except drv.OperationalError as exc:
+            if exc.args and exc.args[0] == _UNKNOWN_DATABASE and not self._created_database:
+                self._create_database()
+                conn = drv.connect(**self._connect_args(self.database))
+            else:
+                raise
+        if not self._limits_known:
+            self._read_limits(conn)
+        return conn
+
+    def _create_database(self) -> None:
+        conn = self._driver.connect(**self._connect_args(None))
+        try:
+            cur = conn.cursor()
+            cur.execute(
+                f"CREATE DATABASE IF NOT EXISTS {self.dialect.q(self.database)} "
+                "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+            )
+            cur.close()
+        finally:
+            conn.close()
+        self._created_database = True
+
+    def _read_limits(self, conn: Any) -> None:
+        cur = conn.cursor()
+        cur.execute("SELECT @@max_allowed_packet")
+        packet = int(cur.fetchone()[0])
+        cur.close()
+        self.max_body_bytes = min(_MEDIUMBLOB_MAX, (packet - 64 * 1024) // 2)
+        self.max_statement_bytes = max(64 * 1024, (packet - 64 * 1024) // 2)
+        self._limits_known = True
+
+    def _alive(self, conn: Any) -> bool:
+        try:
+            conn.ping(False)
+        except self._driver.Error:
+            return False
+        return True
+
+    def ensure_limits(self) -> None:
+        """Make sure ``max_body_bytes`` reflects the server (one connection)."""
+        if not self._limits_known:
+            with self.connection():
+                pass
+
+    def _acquire(self) -> Any:
+        return self._pool.acquire()
+
+    def _release(self, conn: Any) -> None:
+        self._pool.release(conn)
+
+    def _discard(self, conn: Any) -> None:
+        self._pool.discard(conn)
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def _code(self, exc: BaseException) -> int | None:
+        args = getattr(exc, "args", ())
+        return args[0] if args and isinstance(args[0], int) else None
+
+    def classify(self, exc: BaseException) -> type[BackendError]:
+        code = self._code(exc)
+        if code in _UNAVAILABLE or isinstance(exc, self._driver.InterfaceError):
+            return ShardUnavailable
+        if code in _TIMEOUT:
+            return ShardTimeout
+        if code in _DUPLICATE:
+            return DuplicateValue
+        return BackendError
+
+    def is_retryable(self, exc: BaseException) -> bool:
+        code = self._code(exc)
+        # A connection lost mid-way is worth one more try; a server that refuses
+        # connections is not (fail fast, the caller sees ShardUnavailable).
+        return code in _DEADLOCK or code in _LOST

@@ -1,0 +1,220 @@
+"""SQLite: every shard a file, in WAL mode, shared safely by threads and processes.
+
+Each thread keeps its own connection to each shard file (SQLite connections are
+cheap and this costs nothing per operation); a write transaction starts with
+``BEGIN IMMEDIATE`` so that concurrent writers queue on the busy timeout instead
+of failing to upgrade a read lock.  ``synchronous=NORMAL`` by default: in WAL
+mode a crash of the process loses nothing, a power cut may lose the last
+transactions (``synchronous="FULL"`` makes every commit durable).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from bagstore.backends.base import Backend, Dialect
+from bagstore.backends.seqsql import SequenceSQL, SQLiteSequenceSQL
+from bagstore.errors import (
+    BackendError,
+    ConfigurationError,
+    DuplicateValue,
+    ShardTimeout,
+    ShardUnavailable,
+)
+
+__all__ = ["SQLiteBackend", "SQLiteDialect"]
+
+_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+
+class SQLiteDialect(Dialect):
+    #: Statement builders for id sequences (backends/seqsql.py).
+    sequences: ClassVar[SequenceSQL] = SQLiteSequenceSQL()
+    name: ClassVar[str] = "sqlite"
+    param: ClassVar[str] = "?"
+    quote_char: ClassVar[str] = '"'
+    for_update: ClassVar[str] = ""  # BEGIN IMMEDIATE already holds the write lock
+    begin_write: ClassVar[str] = "BEGIN IMMEDIATE"
+
+    def create_catalog_sql(self) -> list[str]:
+        return [
+            "CREATE TABLE IF NOT EXISTS bagstore_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS bagstore_shards "
+            "(shard_no INTEGER PRIMARY KEY, name TEXT NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS bagstore_buckets "
+            "(bucket INTEGER PRIMARY KEY, shard_no INTEGER NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS bagstore_indexes (name TEXT PRIMARY KEY, "
+            "kind TEXT NOT NULL, definition TEXT NOT NULL, state TEXT NOT NULL, "
+            "changed INTEGER NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS bagstore_checkpoints "
+            "(name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS bagstore_kinds (kind TEXT PRIMARY KEY, "
+            "shard_key TEXT NOT NULL, shard_map TEXT NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS bagstore_moves (bucket INTEGER PRIMARY KEY, "
+            "source INTEGER NOT NULL, target INTEGER NOT NULL, phase TEXT NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS bagstore_directory (kind TEXT NOT NULL, "
+            "skey BLOB NOT NULL, bucket INTEGER NOT NULL, state INTEGER NOT NULL, "
+            "PRIMARY KEY (kind, skey))",
+            "CREATE TABLE IF NOT EXISTS bagstore_bucket_keys (kind TEXT NOT NULL, "
+            "bucket INTEGER NOT NULL, n INTEGER NOT NULL, PRIMARY KEY (kind, bucket))",
+        ]
+
+    def insert_ignore_sql(self, table: str, columns: Sequence[str], rows: int = 1) -> str:
+        cols = ", ".join(self.q(c) for c in columns)
+        values = ", ".join([f"({self.params(len(columns))})"] * rows)
+        return f"INSERT OR IGNORE INTO {self.q(table)} ({cols}) VALUES {values}"
+
+    def create_secondary_sql(self, table: str, name: str, columns: Sequence[str]) -> list[str]:
+        cols = ", ".join(self.q(c) for c in columns)
+        return [f"CREATE INDEX IF NOT EXISTS {self.q(name)} ON {self.q(table)} ({cols})"]
+
+    def upsert_sql(self, table: str, key: Sequence[str], values: Sequence[str]) -> str:
+        cols = [*key, *values]
+        sets = ", ".join(f"{self.q(c)} = excluded.{self.q(c)}" for c in values)
+        return (
+            f"INSERT INTO {self.q(table)} ({', '.join(self.q(c) for c in cols)}) "
+            f"VALUES ({self.params(len(cols))}) "
+            f"ON CONFLICT({', '.join(self.q(c) for c in key)}) DO UPDATE SET {sets}"
+        )
+
+    def create_entities_sql(self, kind: str) -> list[str]:
+        t = self.q(kind)
+        return [
+            f"CREATE TABLE IF NOT EXISTS {t} ("
+            " added_id INTEGER PRIMARY KEY AUTOINCREMENT,"
+            " id BLOB NOT NULL UNIQUE,"
+            " bucket INTEGER NOT NULL,"
+            " updated INTEGER NOT NULL,"
+            " version INTEGER NOT NULL DEFAULT 1,"
+            " body BLOB NOT NULL)",
+            f"CREATE INDEX IF NOT EXISTS {self.q(kind + '__bucket')} ON {t} (bucket, added_id)",
+            f"CREATE INDEX IF NOT EXISTS {self.q(kind + '__updated')} ON {t} (updated)",
+        ]
+
+    def create_index_table_sql(self, table: str, columns: Sequence[str], unique: bool) -> list[str]:
+        defs, key = self._index_table_parts(columns, unique)
+        return [
+            f"CREATE TABLE IF NOT EXISTS {self.q(table)} ({defs}, {key}) WITHOUT ROWID",
+            f"CREATE INDEX IF NOT EXISTS {self.q(table + '__bucket')} "
+            f"ON {self.q(table)} (bagstore_bucket)",
+            f"CREATE INDEX IF NOT EXISTS {self.q(table + '__entity_id')} "
+            f"ON {self.q(table)} (entity_id)",
+        ]
+
+    def fenced_insert_sql(
+        self, table: str, columns: Sequence[str], rows: int, *, ignore: bool
+    ) -> str:
+        cols = ", ".join(self.q(c) for c in columns)
+        verb = "INSERT OR IGNORE" if ignore else "INSERT"
+        return f"{verb} INTO {self.q(table)} ({cols}) {self._fenced_select(columns, rows)}"
+
+    def fenced_upsert_sql(self, kind: str) -> str:
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) "
+            "SELECT ?, ?, ?, 1, ? FROM bagstore_owned WHERE bucket = ? AND state = 0 "
+            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
+            "updated = excluded.updated, version = version + 1, body = excluded.body"
+        )
+
+    def copy_entities_sql(self, kind: str, rows: int) -> str:
+        values = ", ".join(["(?, ?, ?, ?, ?)"] * rows)
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
+            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
+            "updated = excluded.updated, version = excluded.version, body = excluded.body"
+        )
+
+    def upsert_entities_sql(self, kind: str, rows: int) -> str:
+        values = ", ".join(["(?, ?, ?, 1, ?)"] * rows)
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
+            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
+            "updated = excluded.updated, version = version + 1, body = excluded.body"
+        )
+
+
+class SQLiteBackend(Backend):
+    """One SQLite file."""
+
+    dialect = SQLiteDialect()
+    driver_errors = (sqlite3.Error,)
+    max_statement_rows = 1000
+
+    def __init__(self, path: str, *, synchronous: str = "NORMAL", busy_timeout: float = 30.0):
+        super().__init__(f"sqlite:///{path}")
+        if synchronous.upper() not in _SYNCHRONOUS:
+            raise ConfigurationError(
+                f"synchronous must be one of {_SYNCHRONOUS}, not {synchronous!r}"
+            )
+        self.path = path
+        self._synchronous = synchronous.upper()
+        self._busy_timeout = busy_timeout
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        if path != ":memory:":
+            parent = os.path.dirname(os.path.abspath(path))
+            os.makedirs(parent, exist_ok=True)
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
+        )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self._synchronous}")
+        with self._lock:
+            self._all.append(conn)
+        return conn
+
+    def _acquire(self) -> Any:
+        local = self._local
+        conn: sqlite3.Connection | None = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = self._connect()
+            local.busy = False
+        if local.busy:  # re-entered on the same thread: a private connection
+            return self._connect()
+        local.busy = True
+        return conn
+
+    def _release(self, conn: Any) -> None:
+        local = self._local
+        if conn is getattr(local, "conn", None):
+            local.busy = False
+        else:
+            self._close(conn)
+
+    def _discard(self, conn: Any) -> None:
+        local = self._local
+        if conn is getattr(local, "conn", None):
+            local.conn = None
+            local.busy = False
+        self._close(conn)
+
+    def _close(self, conn: sqlite3.Connection) -> None:
+        with self._lock:
+            if conn in self._all:
+                self._all.remove(conn)
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()
+        self._local = threading.local()
+
+    def classify(self, exc: BaseException) -> type[BackendError]:
+        text = str(exc).lower()
+        if isinstance(exc, sqlite3.OperationalError):
+            if "locked" in text or "busy" in text:
+                return ShardTimeout
+            if "unable to open" in text or "disk i/o" in text:
+                return ShardUnavailable
+        if isinstance(exc, sqlite3.IntegrityError) and "unique" in text:
+            return DuplicateValue
+        return BackendError

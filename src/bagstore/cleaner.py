@@ -1,0 +1,476 @@
+"""The Cleaner: fills new indexes online and repairs what crashes leave behind.
+
+    >>> import bagstore, tempfile
+    >>> ds = bagstore.open(tempfile.mkdtemp())
+    >>> _ = ds.put({"link": "http://example.com/"})
+    >>> link_index = bagstore.Index(table="index_link", properties=["link"])
+    >>> ds.add_index(link_index)
+    'building'
+    >>> bagstore.Cleaner(ds, settle=0).backfill("index_link").written  # one process: no settle
+    1
+    >>> ds.indexes()["index_link"][1]
+    'ready'
+    >>> ds.close()
+
+*Backfill* scans every shard's entities in ``added_id`` order (shards in
+parallel), writes the missing rows with multi-row inserts, and saves a
+checkpoint per shard after every batch, so a killed backfill resumes where it
+stopped; then it marks the index ``ready``.  Entities written while it runs are
+indexed by their writers; after each batch the Cleaner re-reads the entities it
+just indexed and takes back rows of any that changed meanwhile, so it never
+leaves a stale row of its own behind.
+
+*Repair* reconciles, for each entity (most recently updated first), the rows it
+should have with the rows that point at it (found through the ``entity_id`` key
+of every index table, on every shard): missing rows are written, stale ones
+deleted, and entities that changed during the pass are reconciled again.  A
+sweep over the index tables then removes rows whose entity no longer exists.
+``follow()`` repeats repair from the last time it saw, so what a crash left is
+found again within seconds.
+
+Throttling: after every batch a worker sleeps in proportion to how long the
+batch took (``duty``), longer when statements slow down (the database is busy
+with live traffic), and enough to stay under ``max_rate`` rows per second.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from bagstore import codec
+from bagstore.backends.indexsql import IndexRow
+from bagstore.catalog import Checkpoints
+from bagstore.check import iter_index_rows
+from bagstore.errors import ConfigurationError
+from bagstore.index import BUILDING, READY, Index
+
+if TYPE_CHECKING:
+    from bagstore.backends import Backend
+    from bagstore.datastore import Datastore
+
+__all__ = ["CleanStats", "Cleaner", "Throttle"]
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class CleanStats:
+    """What a Cleaner run did: index rows written and removed, entities read."""
+
+    written: int = 0
+    removed: int = 0
+    entities: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: CleanStats) -> None:
+        self.written += other.written
+        self.removed += other.removed
+        self.entities += other.entities
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "written": self.written,
+            "removed": self.removed,
+            "entities": self.entities,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class Throttle:
+    """Adaptive pauses between batches (one per worker thread).
+
+    ``duty``: pause this fraction of each batch's duration at least.  When a
+    batch's time per row rises over twice the best seen, the database is busy:
+    the pause doubles (up to ``max_pause``); it shrinks back as batches speed up.
+    ``max_rate`` caps rows per second.
+    """
+
+    max_rate: float | None = None
+    duty: float = 0.5
+    max_pause: float = 1.0
+    best: float = field(default=float("inf"))
+    extra: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    rows: int = 0
+
+    def pause_after(self, rows: int, seconds: float) -> float:
+        """The pause owed after a batch of ``rows`` that took ``seconds``."""
+        self.rows += rows
+        if rows:
+            per_row = seconds / rows
+            self.best = min(self.best, per_row)
+            if per_row > 2 * self.best:
+                self.extra = min(self.max_pause, max(2 * self.extra, seconds))
+            else:
+                self.extra /= 2
+        pause = seconds * self.duty + self.extra
+        if self.max_rate:
+            ahead = self.rows / self.max_rate - (time.monotonic() - self.started)
+            pause = max(pause, ahead)
+        return min(pause, self.max_pause) if not self.max_rate else pause
+
+
+class Cleaner:
+    """Backfill and repair for one datastore (one kind).
+
+    ``batch``: entities read per statement; ``max_rate``: rows per second per
+    run (None: adaptive only); ``duty``: see :class:`Throttle`; ``settle``:
+    seconds after an index is registered before its backfill starts reading
+    (default ``refresh_interval`` + 1, so that every writer maintains it by
+    then; 0 when no other process writes).
+    """
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        *,
+        batch: int = 1000,
+        max_rate: float | None = None,
+        duty: float = 0.5,
+        settle: float | None = None,
+    ) -> None:
+        if not 1 <= batch <= 10_000:
+            raise ConfigurationError(f"batch must be from 1 to 10000, not {batch!r}")
+        self.ds = datastore
+        self.batch = batch
+        self.max_rate = max_rate
+        self.duty = duty
+        # Writers learn of a new index within refresh_interval: a backfill that
+        # read an entity before every writer maintained the index could miss a
+        # later change by a writer that did not know it yet.
+        self.settle = datastore._refresh_interval + 1.0 if settle is None else settle
+        self.checkpoints = Checkpoints(datastore._catalog_backend)
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Ask a running backfill or follow() to stop after its current batch."""
+        self._stop.set()
+
+    # -- helpers -----------------------------------------------------------------
+    @property
+    def _buckets(self) -> int:
+        return self.ds.placement.buckets
+
+    def _shard_of(self, row: IndexRow) -> int:
+        return self.ds.placement.shard_of_bucket[row.bucket]
+
+    def _throttle(self, shards: int) -> Throttle:
+        rate = self.max_rate / shards if self.max_rate else None
+        return Throttle(max_rate=rate, duty=self.duty)
+
+    def _parallel(self, fn: Callable[[int], CleanStats], shards: Iterable[int]) -> CleanStats:
+        """Run ``fn`` per shard in threads; Ctrl-C stops them after their batch."""
+        pool = self.ds._pool()
+        futures: list[Future[CleanStats]] = [pool.submit(fn, s) for s in shards]
+        try:
+            while True:
+                done, pending = wait(futures, timeout=0.2, return_when=FIRST_EXCEPTION)
+                if not pending or any(f.exception() for f in done):
+                    break
+        except KeyboardInterrupt:
+            self._stop.set()
+            wait(futures)
+            raise
+        total = CleanStats()
+        for f in futures:
+            total.add(f.result())
+        return total
+
+    def _index(self, table: str) -> tuple[Index, str]:
+        entry = self.ds.registry(refresh=True).by_table.get(table)
+        if entry is None:
+            raise ConfigurationError(f"no index {table!r} on kind {self.ds.kind!r}")
+        return entry
+
+    def _insert(self, index: Index, rows: Iterable[IndexRow]) -> int:
+        """Write rows on the shards that own their buckets (fenced, like writers)."""
+        claimed = time.time_ns() // 1000 if index.unique else None
+
+        def on(backend: Backend, part: list[IndexRow]) -> int:
+            return backend.insert_index_rows(
+                index.table, index.properties, part, claimed=claimed, fenced=True
+            )
+
+        rows = list(rows)
+        written = sum(self.ds._route(rows, lambda r: r.bucket, on))
+        self.ds._cache.rows_repaired(index, rows, self.ds.registry())
+        return written
+
+    def _rows_of(self, index: Index, ids: Sequence[bytes]) -> list[tuple[int, IndexRow]]:
+        """``(shard, row)`` of every row, on any shard, pointing at one of ``ids``."""
+
+        def on(backend: Backend) -> list[IndexRow]:
+            return backend.rows_of_entities(index.table, index.properties, ids)
+
+        found = self.ds._map(on, self.ds._backends)
+        return [(s, r) for s, rows in enumerate(found) for r in rows]
+
+    def _delete(self, index: Index, rows: Iterable[tuple[int, IndexRow]]) -> int:
+        grouped: dict[int, list[IndexRow]] = defaultdict(list)
+        for shard, row in rows:
+            grouped[shard].append(row)
+        removed = sum(
+            self.ds._backends[s].delete_index_rows(index.table, index.properties, part)
+            for s, part in grouped.items()
+        )
+        self.ds._cache.rows_repaired(
+            index, [r for part in grouped.values() for r in part], self.ds.registry()
+        )
+        return removed
+
+    # -- backfill ------------------------------------------------------------------
+    def backfill(self, table: str, *, progress: Progress | None = None) -> CleanStats:
+        """Fill a building index from the existing entities, then mark it ready.
+
+        Resumes from the checkpoints a killed run left.  Running it on a ready
+        index is harmless (it writes only rows that are missing).
+        """
+        index, state = self._index(table)
+        if state not in (BUILDING, READY):
+            raise ConfigurationError(f"index {table!r} is {state}: nothing to backfill")
+        self._stop.clear()
+        registered = self.ds._index_catalog.changed(table) or 0
+        wait = registered / 1e6 + self.settle - time.time()
+        if wait > 0 and state == BUILDING:
+            self._stop.wait(wait)
+        started = time.monotonic()
+        shards = range(len(self.ds._backends))
+        names = [self._checkpoint_name(index, s) for s in shards]
+        starts = [self.checkpoints.get(n) or 0 for n in names]
+        ends = self.ds._map(lambda b: b.max_added_id(self.ds.kind), self.ds._backends)
+        total = sum(max(0, e - s) for s, e in zip(starts, ends, strict=True))
+        done = [0]
+        lock = threading.Lock()
+
+        def advance(n: int) -> None:
+            with lock:
+                done[0] += n
+                if progress is not None:
+                    progress(min(done[0], total), total)
+
+        if progress is not None:
+            progress(0, total)
+        stats = self._parallel(
+            lambda s: self._backfill_shard(index, s, names[s], starts[s], advance, len(shards)),
+            shards,
+        )
+        stats.seconds = time.monotonic() - started
+        if self._stop.is_set():
+            return stats
+        now = time.time_ns() // 1000
+        self.ds._index_catalog.set_state(table, READY, now, expect=BUILDING)
+        self.checkpoints.clear(self._checkpoint_name(index, None))
+        self.ds.registry(refresh=True)
+        return stats
+
+    def _checkpoint_name(self, index: Index, shard: int | None) -> str:
+        base = f"backfill:{self.ds.kind}:{index.table}:"
+        return base if shard is None else f"{base}{shard}"
+
+    def _backfill_shard(
+        self,
+        index: Index,
+        shard: int,
+        checkpoint: str,
+        after: int,
+        advance: Callable[[int], None],
+        shards: int,
+    ) -> CleanStats:
+        backend = self.ds._backends[shard]
+        throttle = self._throttle(shards)
+        stats = CleanStats()
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            batch = backend.scan_entities(self.ds.kind, after, self.batch)
+            if not batch:
+                break
+            wanted: dict[bytes, set[IndexRow]] = {}
+            stamp: dict[bytes, int] = {}
+            for _, entity_id, body, updated in batch:
+                wanted[entity_id] = index.rows_or_none(codec.decode(body), entity_id, self._buckets)
+                stamp[entity_id] = updated
+            stats.written += self._insert(index, (r for rows in wanted.values() for r in rows))
+            stats.removed += self._take_back(index, backend, wanted, stamp)
+            stats.entities += len(batch)
+            after = batch[-1][0]
+            self.checkpoints.set(checkpoint, after)
+            advance(len(batch))
+            time.sleep(throttle.pause_after(len(batch), time.monotonic() - t0))
+        return stats
+
+    def _take_back(
+        self,
+        index: Index,
+        backend: Backend,
+        wanted: dict[bytes, set[IndexRow]],
+        stamp: dict[bytes, int],
+    ) -> int:
+        """Delete rows just written for entities that changed since they were read
+        (their writers may already have removed the old values' rows)."""
+        now = backend.versions(self.ds.kind, list(wanted))
+        changed = [i for i in wanted if i not in now or now[i][1] != stamp[i]]
+        if not changed:
+            return 0
+        current = backend.get_bodies(self.ds.kind, changed)
+        stale: list[tuple[int, IndexRow]] = []
+        for entity_id in changed:
+            hit = current.get(entity_id)
+            keep = (
+                index.rows_or_none(codec.decode(hit.body), entity_id, self._buckets)
+                if hit is not None
+                else set()
+            )
+            stale += [(self._shard_of(r), r) for r in wanted[entity_id] - keep]
+        return self._delete(index, stale)
+
+    # -- repair --------------------------------------------------------------------
+    def repair(self, since: int | None = None, *, sweep: bool = True) -> CleanStats:
+        """One pass over every building or ready index: write missing rows, delete
+        stale ones, most recently updated entities first.
+
+        ``since`` (microseconds since the epoch) limits the pass to entities
+        updated since then; ``sweep`` also removes rows whose entity is gone
+        (a scan of every index table).
+        """
+        started = time.monotonic()
+        indexes = self.ds.registry(refresh=True).maintained()
+        stats = CleanStats()
+        if indexes:
+            shards = range(len(self.ds._backends))
+            stats = self._parallel(
+                lambda s: self._repair_shard(indexes, s, since, len(shards)), shards
+            )
+            if sweep:
+                for index in indexes:
+                    stats.removed += self._sweep(index)
+        stats.seconds = time.monotonic() - started
+        return stats
+
+    def _repair_shard(
+        self, indexes: Sequence[Index], shard: int, since: int | None, shards: int
+    ) -> CleanStats:
+        backend = self.ds._backends[shard]
+        throttle = self._throttle(shards)
+        stats = CleanStats()
+        before: tuple[int, int] | None = None
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            batch = backend.scan_recent(self.ds.kind, before, since, self.batch)
+            if not batch:
+                break
+            bodies = {entity_id: (body, updated) for _, entity_id, body, updated in batch}
+            written, removed = self._reconcile(indexes, backend, bodies)
+            stats.written += written
+            stats.removed += removed
+            stats.entities += len(batch)
+            before = (batch[-1][3], batch[-1][0])
+            time.sleep(throttle.pause_after(len(batch), time.monotonic() - t0))
+        return stats
+
+    def _reconcile(
+        self,
+        indexes: Sequence[Index],
+        backend: Backend,
+        bodies: dict[bytes, tuple[bytes, int]],
+        depth: int = 0,
+    ) -> tuple[int, int]:
+        """Make the rows of these entities (on ``backend``) match their bodies."""
+        ids = list(bodies)
+        decoded = {i: codec.decode(b) for i, (b, _) in bodies.items()}
+        written = removed = 0
+        for index in indexes:
+            expected: set[tuple[int, IndexRow]] = set()
+            for entity_id, entity in decoded.items():
+                for row in index.rows_or_none(entity, entity_id, self._buckets):
+                    expected.add((self._shard_of(row), row))
+            actual = set(self._rows_of(index, ids))
+            written += self._insert(index, (r for _, r in expected - actual))
+            removed += self._delete(index, actual - expected)
+        # Entities that changed meanwhile: reconcile them again from their new body.
+        now = backend.versions(self.ds.kind, ids)
+        changed = [i for i in ids if i not in now or now[i][1] != bodies[i][1]]
+        if changed and depth < 3:
+            current = backend.get_bodies(self.ds.kind, changed)
+            again = {i: (s.body, s.updated) for i, s in current.items()}
+            gone = [i for i in changed if i not in current]
+            w, r = self._reconcile(indexes, backend, again, depth + 1) if again else (0, 0)
+            written, removed = written + w, removed + r
+            removed += self._remove_rows_of(indexes, gone)
+        return written, removed
+
+    def _remove_rows_of(self, indexes: Sequence[Index], ids: Sequence[bytes]) -> int:
+        """Delete every row of entities that no longer exist."""
+        if not ids:
+            return 0
+        removed = 0
+        for index in indexes:
+            removed += self._delete(index, self._rows_of(index, ids))
+        return removed
+
+    def _sweep(self, index: Index) -> int:
+        """Remove rows whose entity does not exist (left by a crash in delete).
+
+        Unique indexes are left alone: a claim is written before its entity, so
+        a row without an entity may be a write in flight; such a claim is taken
+        over when another entity wants the value.
+        """
+        if index.unique:
+            return 0
+        removed = 0
+        for shard, backend in enumerate(self.ds._backends):
+            page: list[tuple[bytes, ...]] = []
+            for row in iter_index_rows(backend, index):
+                page.append(row)
+                if len(page) >= self.batch:
+                    removed += self._sweep_page(index, shard, page)
+                    page = []
+            removed += self._sweep_page(index, shard, page)
+        return removed
+
+    def _sweep_page(self, index: Index, shard: int, rows: list[tuple[bytes, ...]]) -> int:
+        if not rows:
+            return 0
+        ids = list(dict.fromkeys(r[-1] for r in rows))
+        present = self.ds._fetch_many(ids)
+        gone = [i for i in ids if i not in present]
+        if not gone:
+            return 0
+        backend = self.ds._backends[shard]
+        orphans = [r for r in backend.rows_of_entities(index.table, index.properties, gone)]
+        return backend.delete_index_rows(index.table, index.properties, orphans)
+
+    def follow(
+        self,
+        *,
+        interval: float = 1.0,
+        margin: float = 10.0,
+        sweep_every: int = 30,
+        passes: int | None = None,
+        on_pass: Callable[[CleanStats], Any] | None = None,
+    ) -> CleanStats:
+        """Repair forever (or ``passes`` times): each pass covers entities updated
+        since the previous pass began, less ``margin`` seconds for writes in
+        flight and clock skew; every ``sweep_every`` passes also sweeps for rows
+        of deleted entities.  ``stop()`` or Ctrl-C ends it."""
+        self._stop.clear()
+        total = CleanStats()
+        since: int | None = None
+        n = 0
+        while not self._stop.is_set() and (passes is None or n < passes):
+            began = time.time_ns() // 1000
+            stats = self.repair(since, sweep=n % sweep_every == 0)
+            total.add(stats)
+            if on_pass is not None:
+                on_pass(stats)
+            since = began - int(margin * 1_000_000)
+            n += 1
+            if passes is None or n < passes:
+                self._stop.wait(interval)
+        return total

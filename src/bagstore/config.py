@@ -1,0 +1,110 @@
+"""Opening a datastore from a TOML file.
+
+A store of SQLite files::
+
+    [bagstore]
+    path = "data/"      # relative to the config file
+    shards = 4
+
+A sharded MariaDB/MySQL store::
+
+    [bagstore]
+    shards = ["mysql://app:secret@db1:3306/app_0", "mysql://app:secret@db2:3306/app_1"]
+    catalog = "mysql://app:secret@db1:3306/app_catalog"   # optional
+    sequence_servers = ["mysql://app@ids1:3306/ids", "mysql://app@ids2:3306/ids"]  # optional
+    buckets = 1024                                         # fixed at creation
+    kind = "entities"
+
+    [[bagstore.index]]
+    table = "index_user_id"
+    properties = ["user_id"]
+    shard_on = "user_id"
+
+Passwords may be left out of the URLs and given in ``BAGSTORE_MYSQL_PASSWORD``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from typing import TYPE_CHECKING, Any
+
+from bagstore.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from bagstore.datastore import Datastore
+
+__all__ = ["load_config", "read_config"]
+
+_KNOWN = {
+    "path", "shards", "catalog", "buckets", "kind", "shard_key", "shard_map", "index", "mysql_user",
+    "mysql_password", "mysql_database", "sqlite_synchronous", "sequence_servers",
+}  # fmt: skip
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``[bagstore]`` table of a TOML file, checked; relative paths resolved."""
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigurationError(f"config file {os.fspath(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(
+            f"config file {os.fspath(path)!r} is not valid TOML: {exc}"
+        ) from exc
+    section = doc.get("bagstore")
+    if not isinstance(section, dict):
+        raise ConfigurationError(f"config file {os.fspath(path)!r} has no [bagstore] table")
+    unknown = set(section) - _KNOWN
+    if unknown:
+        raise ConfigurationError(
+            f"unknown key(s) {sorted(unknown)} in [bagstore] of {os.fspath(path)!r}"
+        )
+    if "path" in section:
+        base = os.path.dirname(os.path.abspath(path))
+        section["path"] = os.path.join(base, str(section["path"]))
+    return section
+
+
+def indexes_from_config(section: dict[str, Any]) -> list[Any]:
+    from bagstore.index import Index
+
+    out = []
+    for spec in section.get("index", []):
+        if not isinstance(spec, dict):
+            raise ConfigurationError("each [[bagstore.index]] must be a table")
+        try:
+            out.append(Index(**spec))
+        except TypeError as exc:
+            raise ConfigurationError(f"bad [[bagstore.index]] {spec!r}: {exc}") from None
+    return out
+
+
+def load_config(path: str | os.PathLike[str], **overrides: Any) -> Datastore:
+    """Open the datastore a config file describes; ``overrides`` are keyword
+    arguments of :class:`~bagstore.Datastore` that win over the file (such as
+    ``kind=`` to open another kind of the same store)."""
+    from bagstore.datastore import Datastore, open
+
+    section = read_config(path)
+    indexes = indexes_from_config(section)
+    options: dict[str, Any] = {
+        k: section[k]
+        for k in ("catalog", "buckets", "kind", "shard_key", "shard_map", "mysql_user",
+                  "mysql_password", "mysql_database", "sqlite_synchronous", "sequence_servers")
+        if k in section
+    }  # fmt: skip
+    options.update(overrides)
+    seq = section.get("sequence_servers", [])
+    if not isinstance(seq, list) or not all(isinstance(u, str) for u in seq):
+        raise ConfigurationError('sequence_servers must be a list of URLs: ["mysql://...", ...]')
+    if "path" in section:
+        shards = section.get("shards")
+        if shards is not None and not isinstance(shards, int):
+            raise ConfigurationError("with path =, shards is a number of SQLite files")
+        return open(section["path"], indexes=indexes, shards=shards, **options)
+    shards = section.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(u, str) for u in shards):
+        raise ConfigurationError('[bagstore] needs path = "dir/" or shards = ["url", ...]')
+    return Datastore(shards, indexes=indexes, **options)

@@ -1,0 +1,915 @@
+"""The datastore facade: put / get / get_many / delete over sharded backends.
+
+>>> import bagstore, tempfile
+>>> with bagstore.open(tempfile.mkdtemp()) as ds:
+...     entity_id = ds.put({"title": "hello"})
+...     ds.get(entity_id)["title"]
+'hello'
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from bagstore import codec, testing
+from bagstore.backends import (
+    Backend,
+    EntityRow,
+    MySQLDefaults,
+    Stored,
+    check_identifier,
+    open_backend,
+)
+from bagstore.cache import open_layer
+from bagstore.cache import request as _request
+from bagstore.catalog import Catalog, IndexCatalog, Placement, check_stamps
+from bagstore.errors import (
+    BagstoreError,
+    ConfigurationError,
+    IndexNotReady,
+    InvalidEntity,
+    InvalidQuery,
+    KeyMigrating,
+    NoIndexForQuery,
+    Retryable,
+    StalePlacement,
+)
+from bagstore.ids import new_id
+from bagstore.index import BUILDING, READY, RETIRED, Index, Registry
+from bagstore.indexer import Change, Claim, Indexer
+from bagstore.query import (
+    Plan,
+    QueryResult,
+    _Stream,
+    execute,
+    parse_filters,
+    plan_query,
+    shard_scans,
+)
+from bagstore.sharding.placer import Placer
+
+__all__ = ["DataStore", "Datastore", "open"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+SQLITE_SHARD_FILE = "shard_{}.db"
+
+#: Set in the threads of a datastore's pool: work they fan out runs in place,
+#: since waiting on the same (bounded) pool from inside it can deadlock.
+_worker = threading.local()
+
+
+def _mark_worker() -> None:
+    _worker.active = True
+
+
+def _check_id(entity_id: object, error: type[BagstoreError]) -> bytes:
+    if type(entity_id) is not bytes:
+        hint = " (use bytes.fromhex)" if isinstance(entity_id, str) else ""
+        raise error(f"an id must be bytes, not {type(entity_id).__name__}{hint}")
+    if len(entity_id) != 16:
+        raise error(f"an id must be 16 bytes, got {len(entity_id)}")
+    return entity_id
+
+
+class Datastore:
+    """Schema-less entities sharded over SQLite files or MariaDB/MySQL databases.
+
+    ``shards`` is a list of URLs (``sqlite:///...``, ``mysql://...``, or
+    ``host:port``); ``catalog`` an optional URL for the metadata (default: the
+    first shard); ``kind`` the entities table this object reads and writes.
+    A Datastore is safe to share between threads.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[str] | None = None,
+        *,
+        indexes: Iterable[Any] = (),
+        catalog: str | None = None,
+        kind: str = "entities",
+        buckets: int | None = None,
+        mysql_shards: Sequence[str] | None = None,
+        mysql_user: str | None = None,
+        mysql_password: str | None = None,
+        mysql_database: str | None = None,
+        sqlite_synchronous: str = "NORMAL",
+        max_workers: int | None = None,
+        refresh_interval: float = 5.0,
+        unique_lease: float = 2.0,
+        shard_key: str | None = None,
+        shard_map: str = "hash",
+        sequence_servers: Sequence[str] | None = None,
+        freeze_wait: float = 5.0,
+        cache: object = None,
+        cache_prefix: str | None = None,
+        _shard_names: Sequence[str] | None = None,
+        _root: str | None = None,
+    ) -> None:
+        if shards is not None and mysql_shards is not None:
+            raise ConfigurationError("give shards or mysql_shards, not both")
+        urls = list(shards if shards is not None else (mysql_shards or ()))
+        if isinstance(shards, str) or isinstance(mysql_shards, str):
+            raise ConfigurationError("shards must be a list of URLs, not one string")
+        if not urls:
+            raise ConfigurationError("a datastore needs at least one shard URL")
+        self.kind = check_identifier(kind, "kind")
+        defaults = MySQLDefaults(mysql_user, mysql_password, mysql_database)
+        self._backends: list[Backend] = [
+            open_backend(u, mysql=defaults, sqlite_synchronous=sqlite_synchronous) for u in urls
+        ]
+        names = list(_shard_names) if _shard_names is not None else [b.name for b in self._backends]
+        if len(set(b.name for b in self._backends)) != len(self._backends):
+            raise ConfigurationError(f"the same database is listed twice among the shards {names}")
+        self._catalog_backend = (
+            open_backend(catalog, mysql=defaults, sqlite_synchronous=sqlite_synchronous)
+            if catalog
+            else self._backends[0]
+        )
+        self._executor: ThreadPoolExecutor | None = None
+        self._max_workers = max_workers or min(32, 2 * len(self._backends))
+        self._closed = False
+        self._mysql_defaults = defaults
+        self._sqlite_synchronous = sqlite_synchronous
+        self._root = _root
+        self._freeze_wait = freeze_wait
+        self._placement_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        try:
+            self.catalog = Catalog(self._catalog_backend)
+            self.placement: Placement = self.catalog.open(names, buckets)
+            for name in self.placement.shard_names[len(self._backends) :]:
+                self._backends.append(self._open_shard(name))
+            check_stamps(self.placement, self._backends)
+            if self.catalog.read_meta().get("owned_init") != "1":
+                for no, backend in enumerate(self._backends):
+                    backend.claim_buckets(self.placement.buckets_of_shard(no))
+                self.catalog.set_meta("owned_init", "1")
+            if shard_key is not None:
+                check_identifier(shard_key, "shard_key")
+            recorded = self.catalog.register_kind(self.kind, shard_key or "", shard_map)
+            if recorded != (shard_key or "", shard_map):
+                raise ConfigurationError(
+                    f"kind {self.kind!r} is placed by {recorded[0] or 'id'!r} "
+                    f"({recorded[1]} map), not by {shard_key or 'id'!r} ({shard_map} map)"
+                )
+            self._map(lambda b: b.ensure_kind(self.kind), self._backends)
+            for b in self._backends:
+                ensure_limits = getattr(b, "ensure_limits", None)
+                if ensure_limits is not None:
+                    ensure_limits()
+        except BaseException:
+            self.close()
+            raise
+        self._buckets = self.placement.buckets
+        self._shard_of_bucket = self.placement.shard_of_bucket
+        self._refresh_interval = refresh_interval
+        self._placement_at = time.monotonic()
+        self._placer = Placer(self, shard_key, shard_map)
+        self._sequence_servers = list(sequence_servers or ())
+        self._sequences: dict[tuple[str, int, int], Any] = {}
+        self._index_catalog = IndexCatalog(self._catalog_backend)
+        self._registry = Registry()
+        self._registry_at = 0.0
+        self._tables_ready: set[str] = set()
+        self._indexer = Indexer(self, unique_lease)
+        try:
+            # level 1 always, level 2 when `cache` names one (see bagstore.cache)
+            self._cache = open_layer(
+                cache, prefix=cache_prefix or f"bs:{self.placement.store_id}:{self.kind}:"
+            )
+            declared = self._check_declared(indexes)
+            self._load_registry()
+            for index in declared:
+                self.add_index(index)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction helpers -------------------------------------------------
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str]) -> Datastore:
+        """Open the datastore a TOML file describes (see docs/configuration.md).
+
+        >>> # bagstore.toml:  [bagstore]  path = "data/"  shards = 4
+        """
+        from bagstore.config import load_config
+
+        return load_config(path)
+
+    # -- routing ---------------------------------------------------------------
+    def _open_shard(self, name: str) -> Backend:
+        """A backend for a shard name the catalog lists (added after this
+        process's configuration was written)."""
+        if "://" not in name and not name.startswith("sqlite:"):
+            if self._root is None:
+                raise ConfigurationError(
+                    f"cannot locate shard {name!r} outside its store directory"
+                )
+            name = "sqlite:///" + os.path.join(self._root, name)
+        return open_backend(
+            name, mysql=self._mysql_defaults, sqlite_synchronous=self._sqlite_synchronous
+        )
+
+    def refresh_placement(self, *, force: bool = False) -> Placement:
+        """Re-read the bucket placement if the catalog's version moved (at most
+        every ``refresh_interval`` seconds unless forced)."""
+        if not force and time.monotonic() - self._placement_at < self._refresh_interval:
+            return self.placement
+        with self._placement_lock:
+            self._placement_at = time.monotonic()
+            if self.catalog.placement_version() == self.placement.version and not force:
+                return self.placement
+            placement = self.catalog.read_placement()
+            for name in placement.shard_names[len(self._backends) :]:
+                backend = self._open_shard(name)
+                backend.ensure_kind(self.kind)
+                self._backends.append(backend)
+            self.placement = placement
+            self._shard_of_bucket = placement.shard_of_bucket
+            return placement
+
+    def _route(
+        self,
+        items: Sequence[T],
+        bucket: Callable[[T], int],
+        work: Callable[[Backend, list[T]], R],
+    ) -> list[R]:
+        """Group items by the shard that owns their bucket and run ``work`` per
+        shard (in parallel).  Groups a shard refuses (stale placement, frozen
+        bucket) are regrouped by the refreshed placement and run again; groups
+        that succeeded are not repeated."""
+        results: list[R] = []
+        pending = list(items)
+        deadline: float | None = None
+        for _ in range(1000):
+            groups: dict[int, list[T]] = defaultdict(list)
+            for item in pending:
+                groups[self._shard_of_bucket[bucket(item)]].append(item)
+            jobs = [(self._backends[k], part) for k, part in groups.items()]
+            outcomes = self._map(lambda job: _attempt(work, job[0], job[1]), jobs)
+            pending = []
+            migrating = False
+            for k, (value, error) in zip(groups, outcomes, strict=True):
+                if error is None:
+                    results.append(value)  # type: ignore[arg-type]
+                else:
+                    migrating = migrating or isinstance(error, KeyMigrating)
+                    pending += groups[k]
+                    last = error
+            if not pending:
+                return results
+            if migrating:
+                now = time.monotonic()
+                deadline = deadline or now + self._freeze_wait
+                if now >= deadline:
+                    raise last
+                time.sleep(0.005)
+            self.refresh_placement(force=True)
+        raise StalePlacement("the placement kept changing; gave up")
+
+    def _fenced(self, work: Callable[[], T]) -> T:
+        """Run a write; when a shard says it does not own a bucket (this process's
+        placement is stale), refresh and run it again; while a bucket is frozen
+        by a move, wait up to ``freeze_wait`` seconds, then raise KeyMigrating."""
+        deadline: float | None = None
+        for _ in range(1000):
+            try:
+                return work()
+            except StalePlacement:
+                self.refresh_placement(force=True)
+            except KeyMigrating:
+                now = time.monotonic()
+                deadline = deadline or now + self._freeze_wait
+                if now >= deadline:
+                    raise
+                time.sleep(0.005)
+                self.refresh_placement(force=True)
+        raise StalePlacement("the placement kept changing; gave up")
+
+    def bucket_of_id(self, entity_id: bytes) -> int | None:
+        """The bucket holding an entity (None if this kind does not know the id)."""
+        for bucket in self._placer.group([entity_id]):
+            return bucket
+        return None
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is not None:
+            return self._executor
+        with self._pool_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=self._max_workers,
+                    thread_name_prefix="bagstore",
+                    initializer=_mark_worker,
+                )
+            return self._executor
+
+    def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``fn`` over items, in parallel threads when there is more than one
+        (in place when called from one of the pool's own threads)."""
+        if len(items) <= 1 or getattr(_worker, "active", False):
+            return [fn(x) for x in items]
+        futures = [self._pool().submit(fn, x) for x in items]
+        # Wait for every shard before raising: no work may still be running
+        # (and committing) after the caller has seen the error.
+        wait(futures)
+        return [f.result() for f in futures]
+
+    def _per_shard(self, groups: Mapping[int, T], fn: Callable[[Backend, T], R]) -> dict[int, R]:
+        keys = list(groups)
+        results = self._map(lambda k: fn(self._backends[k], groups[k]), keys)
+        return dict(zip(keys, results, strict=True))
+
+    # -- index registry ----------------------------------------------------------
+    @staticmethod
+    def _check_declared(indexes: Iterable[Any]) -> list[Index]:
+        declared = list(indexes)
+        for index in declared:
+            if not isinstance(index, Index):
+                raise ConfigurationError(f"indexes must be bagstore.Index objects, not {index!r}")
+        tables = [i.table for i in declared]
+        if len(set(tables)) != len(tables):
+            raise ConfigurationError(f"an index table is declared twice in {tables}")
+        return declared
+
+    def _load_registry(self) -> Registry:
+        """Re-read this kind's indexes and states from the catalog."""
+        entries = [
+            (Index.from_json(definition), state)
+            for _, definition, state in self._index_catalog.entries(self.kind)
+        ]
+        for index, state in entries:
+            if state != RETIRED and index.table not in self._tables_ready:
+                self._create_index_tables(index)
+        self._registry = Registry(entries)
+        self._registry_at = time.monotonic()
+        return self._registry
+
+    def _create_index_tables(self, index: Index) -> None:
+        self._map(
+            lambda b: b.ensure_index_table(index.table, index.properties, index.unique),
+            self._backends,
+        )
+        self._tables_ready.add(index.table)
+
+    def registry(self, *, refresh: bool = False) -> Registry:
+        """This kind's indexes and states, re-read every ``refresh_interval`` seconds
+        (the placement's version is checked at the same time)."""
+        self.refresh_placement()
+        if refresh or time.monotonic() - self._registry_at > self._refresh_interval:
+            return self._load_registry()
+        return self._registry
+
+    def indexes(self) -> dict[str, tuple[Index, str]]:
+        """``{table: (Index, state)}`` of every index of this kind in the catalog."""
+        return dict(self.registry(refresh=True).by_table)
+
+    def add_index(self, index: Index) -> str:
+        """Register an index (idempotent); return its state.
+
+        Its tables are created on every shard at once and every writer maintains
+        it from then on.  On a kind with no entities it is ``ready`` at once;
+        otherwise ``building`` until ``bagstore.Cleaner(ds).backfill(table)``.
+        """
+        if not isinstance(index, Index):
+            raise ConfigurationError(f"add_index takes a bagstore.Index, not {index!r}")
+        for name, kind, definition, state in self._index_catalog.all_entries():
+            if name != index.table:
+                continue
+            if kind != self.kind:
+                raise ConfigurationError(f"index table {name!r} already belongs to kind {kind!r}")
+            if Index.from_json(definition) != index:
+                raise ConfigurationError(
+                    f"index {name!r} is registered as {Index.from_json(definition)!r}, not "
+                    f"{index!r}: retire and drop it first, or choose another table name"
+                )
+            return state
+        self._create_index_tables(index)
+        now = time.time_ns() // 1000
+        self._index_catalog.register(index.table, self.kind, index.to_json(), BUILDING, now)
+        self._cache.index_changed(index.table)
+        if not any(self._map(lambda b: b.has_rows(self.kind), self._backends)):
+            self._index_catalog.set_state(index.table, READY, now, expect=BUILDING)
+        return self.registry(refresh=True).state(index.table) or BUILDING
+
+    def set_index_state(self, table: str, state: str) -> None:
+        """Move an index along its life cycle (``ready`` / ``retired``)."""
+        if state not in (BUILDING, READY, RETIRED):
+            raise ConfigurationError(f"unknown index state {state!r}")
+        if self.registry(refresh=True).state(table) is None:
+            raise ConfigurationError(f"no index {table!r} on kind {self.kind!r}")
+        self._index_catalog.set_state(table, state, time.time_ns() // 1000)
+        self._cache.index_changed(table)
+        self.registry(refresh=True)
+
+    def retire_index(self, table: str) -> None:
+        """Stop maintaining an index (queries on it raise IndexNotReady)."""
+        self.set_index_state(table, RETIRED)
+
+    def drop_index(self, table: str) -> None:
+        """Drop a retired index's tables on every shard and forget it."""
+        state = self.registry(refresh=True).state(table)
+        if state is None:
+            raise ConfigurationError(f"no index {table!r} on kind {self.kind!r}")
+        if state != RETIRED:
+            raise ConfigurationError(f"index {table!r} is {state}: retire it before dropping it")
+        self._map(lambda b: b.drop_index_table(table), self._backends)
+        self._index_catalog.remove(table)
+        self._tables_ready.discard(table)
+        self._cache.index_changed(table)
+        self.registry(refresh=True)
+
+    # -- writes ------------------------------------------------------------------
+    def _row(self, entity: object) -> tuple[EntityRow, bool]:
+        """Validate and encode one entity; returns the row and whether the id is new."""
+        if not isinstance(entity, dict):
+            raise InvalidEntity(f"an entity must be a dict, not {type(entity).__name__}")
+        fresh = "id" not in entity or entity["id"] is None
+        if fresh:
+            entity_id = new_id()
+            body = codec.encode({**entity, "id": entity_id})
+        else:
+            entity_id = _check_id(entity["id"], InvalidEntity)
+            body = codec.encode(entity)
+        bucket = self._placer.entity_bucket(entity, entity_id)
+        backend = self._backends[self._shard_of_bucket[bucket]]
+        if len(body) > backend.max_body_bytes:
+            raise InvalidEntity(
+                f"entity {entity_id.hex()} is {len(body)} bytes encoded, over the "
+                f"{backend.max_body_bytes}-byte limit of shard {backend.name}"
+            )
+        row = EntityRow(entity_id, bucket, time.time_ns() // 1000, body)
+        return row, fresh
+
+    def put(self, entity: dict[str, Any]) -> bytes:
+        """Store the whole entity (replacing any previous body); return its id.
+
+        An entity without ``id`` gets a new one (:func:`bagstore.new_id`), which
+        is also set in the dict passed in.
+        """
+        return self._put([entity])[0]
+
+    def put_many(self, entities: Sequence[dict[str, Any]]) -> list[bytes]:
+        """Store many entities: one statement (chunked) per shard, shards in parallel.
+
+        Every entity is validated (and unique values claimed) before any entity
+        is written.  The same id twice in one call keeps the last body.
+        """
+        if isinstance(entities, dict):
+            raise InvalidEntity("put_many takes a list of entities, not one dict")
+        return self._put(list(entities))
+
+    def _put(self, entities: list[dict[str, Any]]) -> list[bytes]:
+        prepared = [self._row(e) for e in entities]
+        indexes = self.registry().maintained()
+        last: dict[bytes, tuple[EntityRow, dict[str, Any]]] = {}
+        for (row, _), entity in zip(prepared, entities, strict=True):
+            last[row.id] = (row, entity)
+        new_rows = {
+            entity_id: {i.table: i.rows_for(entity, entity_id, self._buckets) for i in indexes}
+            for entity_id, (_, entity) in last.items()
+        }
+        claimed = self._indexer.claim_all(
+            [
+                Claim(i, r)
+                for entity_id in last
+                for i in indexes
+                if i.unique
+                for r in sorted(new_rows[entity_id][i.table], key=lambda r: r.keys)
+            ]
+        )
+        # Kinds placed by a shard key: record id -> bucket first; an entity whose
+        # key moved it to another bucket is deleted from the old one afterwards.
+        prior = self._placer.locate(last) if self._placer.keyed else {}
+        moved = [(i, b) for i, b in prior.items() if b != last[i][0].bucket]
+        self._placer.record(
+            {i: row.bucket for i, (row, _) in last.items() if prior.get(i) != row.bucket}
+        )
+        self._cache.before_write(list(last))
+        testing.hit("put.before_entity")
+        # Stamped after the claims: a claim newer than its owner's `updated`
+        # marks a write still in flight (see Indexer._claim).
+        now = time.time_ns() // 1000
+        rows = [replace(row, updated=now) for row, _ in last.values()]
+        try:
+            versions: dict[bytes, int] = {}  # new versions, for the cache's markers
+            olds = self._route(
+                rows,
+                lambda r: r.bucket,
+                lambda b, part: b.put_entities(
+                    self.kind, part, read_old=bool(indexes), versions=versions
+                ),
+            )
+        except Exception:
+            # Some shards may have committed: give back only the claims whose
+            # entity does not hold the value now.
+            self._indexer.release_unheld(claimed)
+            raise
+        old_bodies: dict[bytes, bytes] = {}
+        for part in olds:
+            old_bodies.update(part)
+        if moved:
+            for i, body in self._delete_at(moved, read_old=bool(indexes)).items():
+                if body is not None and i not in old_bodies:
+                    old_bodies[i] = body
+        testing.hit("put.after_entity")
+        self._cache.puts_committed(rows, versions, self._fetch_many)
+        if indexes:
+            changes: list[Change] = []
+            for entity_id in last:
+                body = old_bodies.get(entity_id)
+                old = codec.decode(body) if body is not None else None
+                changes += Indexer.diff(indexes, new_rows[entity_id], old, entity_id, self._buckets)
+            self._indexer.apply(changes, failpoint="put.after_index_delete")
+            self._cache.rows_written(changes, claimed, self.registry())
+        for entity, (row, fresh) in zip(entities, prepared, strict=True):
+            if fresh:
+                entity["id"] = row.id
+        return [row.id for row, _ in prepared]
+
+    def delete(self, entity_id: bytes) -> bool:
+        """Delete one entity and its index rows; False if it did not exist."""
+        entity_id = _check_id(entity_id, InvalidQuery)
+        return self._delete([entity_id]) == 1
+
+    def delete_many(self, ids: Iterable[bytes]) -> int:
+        """Delete many entities (shards in parallel); return how many existed."""
+        if isinstance(ids, bytes):
+            raise InvalidQuery("delete_many takes a list of ids, not one id")
+        return self._delete([_check_id(i, InvalidQuery) for i in ids])
+
+    def _delete(self, ids: list[bytes]) -> int:
+        indexes = self.registry().maintained()
+        where = {i: b for b, part in self._placer.group(ids).items() for i in part}
+        versions: dict[bytes, int] = {}
+        self._cache.before_write(list(where))
+        done = self._delete_at(list(where.items()), read_old=bool(indexes), versions=versions)
+        self._placer.forget(list(where))
+        found = done
+        if found:
+            testing.hit("delete.after_entity")
+        self._cache.deletes_committed(versions)
+        if indexes:
+            changes: list[Change] = []
+            for entity_id, body in found.items():
+                old = codec.decode(body) if body is not None else None
+                changes += Indexer.diff(indexes, {}, old, entity_id, self._buckets)
+            self._indexer.apply(changes)
+            self._cache.rows_written(changes, (), self.registry())
+        return len(found)
+
+    # -- reads -------------------------------------------------------------------
+    def get(self, entity_id: bytes) -> dict[str, Any] | None:
+        """The entity with this id, or None."""
+        entity_id = _check_id(entity_id, InvalidQuery)
+        self.refresh_placement()
+        return self._cache.get(entity_id, self._fetch_many)
+
+    def _fetch_stored(self, entity_id: bytes) -> Stored | None:
+        return self._fetch_many([entity_id]).get(entity_id)
+
+    def _fetch_many(self, ids: Iterable[bytes]) -> dict[bytes, Stored]:
+        wanted = list(dict.fromkeys(ids))
+        found = self._fetch_at(self._placer.locate(wanted))
+        if self._placer.keyed:  # a stale or missing lookup row: look everywhere
+            lost = [i for i in wanted if i not in found]
+            if lost:
+                found.update(self._fetch_at(self._placer.search(lost)))
+        return found
+
+    def _fetch_at(self, where: Mapping[bytes, int]) -> dict[bytes, Stored]:
+        """Bodies of ids whose buckets are known; one query per shard, in parallel."""
+        groups: dict[int, list[bytes]] = defaultdict(list)
+        for entity_id, bucket in where.items():
+            groups[self._shard_of_bucket[bucket]].append(entity_id)
+        found: dict[bytes, Stored] = {}
+        for part in self._per_shard(groups, lambda b, part: b.get_bodies(self.kind, part)).values():
+            found.update(part)
+        return found
+
+    def _delete_at(
+        self,
+        located: list[tuple[bytes, int]],
+        *,
+        read_old: bool,
+        versions: dict[bytes, int] | None = None,
+    ) -> dict[bytes, bytes | None]:
+        """Delete ``(id, bucket)`` entities (fenced); ``{id: old body}`` of those found
+        (and their versions into ``versions``, if given)."""
+
+        def work(backend: Backend, part: list[tuple[bytes, int]]) -> dict[bytes, bytes | None]:
+            return backend.delete_entities(
+                self.kind,
+                [i for i, _ in part],
+                [b for _, b in part],
+                read_old=read_old,
+                versions=versions,
+            )
+
+        found: dict[bytes, bytes | None] = {}
+        for part in self._route(located, lambda item: item[1], work):
+            found.update(part)
+        return found
+
+    def get_many(self, ids: Iterable[bytes]) -> list[dict[str, Any] | None]:
+        """Entities in the order asked (None where missing); one query per shard,
+        shards in parallel.  An id asked twice gives two separate dicts."""
+        if isinstance(ids, bytes):
+            raise InvalidQuery("get_many takes a list of ids, not one id")
+        wanted = [_check_id(i, InvalidQuery) for i in ids]
+        self.refresh_placement()
+        return self._cache.get_many(wanted, self._fetch_many)
+
+    # -- queries -------------------------------------------------------------------
+    def query_index(
+        self,
+        index: Index,
+        filters: dict[str, Any],
+        *,
+        order: str | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+        allow_partial: bool = False,
+    ) -> QueryResult:
+        """Run a query through one index (``Index.get_all`` calls this)."""
+        registry = self.registry()
+        state = registry.state(index.table)
+        if state is None:
+            registry = self.registry(refresh=True)
+            state = registry.state(index.table)
+        if state is None:
+            raise NoIndexForQuery(
+                f"index {index.table!r} is not registered on kind {self.kind!r}: declare it in "
+                "indexes=[...] or run `bagstore index add`",
+                suggestion=repr(index),
+            )
+        if registry.by_table[index.table][0] != index:
+            raise InvalidQuery(
+                f"index {index.table!r} is registered as {registry.by_table[index.table][0]!r}"
+            )
+        if state == RETIRED or (state == BUILDING and not allow_partial):
+            raise IndexNotReady(
+                f"index {index.table!r} is {state}"
+                + (
+                    ": run `bagstore clean --index` to backfill it, or pass allow_partial=True"
+                    if state == BUILDING
+                    else ""
+                ),
+                index=index.table,
+                state=state,
+            )
+        plan = plan_query(index, parse_filters(filters), order)
+        return self._cache.read_list(
+            plan,
+            limit,
+            cursor,
+            lambda: execute(self, plan, limit=limit, cursor=cursor),
+            self.fetch_for_query,
+            cacheable=state == READY,
+        )
+
+    def query(
+        self,
+        *,
+        order: str | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+        **filters: Any,
+    ) -> QueryResult:
+        """Query through the best ready index for these filters.
+
+        Raises ``IndexNotReady`` if only a building index could answer, and
+        ``NoIndexForQuery`` (naming an index that would) if none could.
+        """
+        parsed = parse_filters(filters)
+        if not parsed:
+            raise InvalidQuery("a query needs at least one filter")
+        best: tuple[tuple[int, int, int], Plan] | None = None
+        building: list[str] = []
+        for index, state in self.registry().by_table.values():
+            try:
+                plan = plan_query(index, parsed, order)
+            except InvalidQuery:
+                continue
+            if state == BUILDING:
+                building.append(index.table)
+            elif state == READY and (best is None or plan.score() > best[0]):
+                best = (plan.score(), plan)
+        if best is not None:
+            chosen = best[1]
+            return self._cache.read_list(
+                chosen,
+                limit,
+                cursor,
+                lambda: execute(self, chosen, limit=limit, cursor=cursor),
+                self.fetch_for_query,
+            )
+        if building:
+            raise IndexNotReady(
+                f"only index {building[0]!r} can answer this query and it is still building",
+                index=building[0],
+                state=BUILDING,
+            )
+        raise _no_index(parsed, order)
+
+    def check(self) -> dict[str, Any]:
+        """Report index rows missing and stale, per index; changes nothing.
+
+        Returns ``{"missing": n, "stale": m, "indexes": {table: {"state",
+        "missing", "stale", "examples"}}}`` over every building or ready index.
+        """
+        from bagstore.check import check
+
+        return check(self)
+
+    # query.Source
+    def scan_streams(self, plan: Plan, page: int) -> list[_Stream]:
+        scans = shard_scans(plan, self._backends, self._shard_of_bucket, self._buckets)
+        return [_Stream(self._backends[i], scan, page) for i, scan in scans.items()]
+
+    def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
+        return self._cache.decoded(ids, self._fetch_many)
+
+    # -- scale-out -----------------------------------------------------------------
+    def add_shard(self, url: str) -> int:
+        """Register a new, empty shard (a database URL); return its number.
+        Move buckets to it with :meth:`move_buckets` or :meth:`rebalance`."""
+        from bagstore.scaleout import Mover
+
+        return Mover(self).add_shard(url)
+
+    def move_buckets(
+        self, buckets: Sequence[int], to: int | str, *, grace: float | None = None
+    ) -> Any:
+        """Move buckets to a shard while serving (see :mod:`bagstore.scaleout`);
+        ``grace``: seconds to keep the source copy for stale readers (default
+        ``refresh_interval`` + 1)."""
+        from bagstore.scaleout import Mover
+
+        return Mover(self, grace=grace).move(buckets, to)
+
+    def rebalance(self, *, grace: float | None = None) -> Any:
+        """Move buckets until every shard holds an even share; returns MoveStats."""
+        from bagstore.scaleout import Mover
+
+        return Mover(self, grace=grace).rebalance()
+
+    def migrate_key(self, value: object, to_bucket: int, *, wait: float | None = None) -> int:
+        """Move one shard key's entities to another bucket (``shard_map='directory'``
+        kinds); writes to the key get KeyMigrating meanwhile.  Returns how many
+        entities moved."""
+        from bagstore.scaleout import Mover
+
+        return Mover(self).migrate_key(value, to_bucket, wait=wait)
+
+    # -- ids -----------------------------------------------------------------------
+    def sequence(self, name: str, *, block: int = 1000, start: int = 1) -> Any:
+        """An integer id sequence shared by every process of this store (see
+        :mod:`bagstore.ids.sequence`); ``.next()`` and ``.next_many(n)``."""
+        from bagstore.ids.sequence import open_sequence
+
+        key = (name, block, start)
+        if key not in self._sequences:
+            self._sequences[key] = open_sequence(self, name, block=block, start=start)
+        return self._sequences[key]
+
+    # -- status and lifetime ---------------------------------------------------------
+    @property
+    def shards(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self._backends)
+
+    def count(self) -> int:
+        """Entities of this kind over all shards."""
+        return sum(self._map(lambda b: b.count(self.kind), self._backends))
+
+    def status(self) -> dict[str, Any]:
+        """Shards, buckets per shard and entity counts (one query per shard)."""
+        counts = self._map(lambda b: b.count(self.kind), self._backends)
+        return {
+            "kind": self.kind,
+            "buckets": self._buckets,
+            "shards": [
+                {
+                    "shard": i,
+                    "name": b.name,
+                    "buckets": self._shard_of_bucket.count(i),
+                    "entities": counts[i],
+                }
+                for i, b in enumerate(self._backends)
+            ],
+            "entities": sum(counts),
+            **({"cache": self._cache.status()} if self._cache.cache is not None else {}),
+        }
+
+    # -- cache -----------------------------------------------------------------------
+    def request(self) -> AbstractContextManager[Any]:
+        """A level-1 cache for the block: what it reads is kept for its duration
+        (``with ds.request(): ...``; see :mod:`bagstore.cache.request`)."""
+        return _request()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Cache counters per level: ``{"l1": {...}, "l2": {...}}``, each with
+        hits, misses, fills, invalidations and errors."""
+        return self._cache.stats.as_dict()
+
+    def close(self) -> None:
+        """Close every connection; the datastore cannot be used afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        if getattr(self, "_cache", None) is not None:
+            self._cache.close()
+        for b in {
+            id(b): b for b in [*getattr(self, "_backends", []), self._catalog_backend]
+        }.values():
+            b.close()
+
+    def __enter__(self) -> Datastore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<bagstore.Datastore kind={self.kind!r} shards={len(self._backends)}>"
+
+
+def _no_index(filters: Sequence[Any], order: str | None) -> NoIndexForQuery:
+    eq = sorted({f.prop for f in filters if f.op in ("eq", "in")})
+    ranged = sorted({f.prop for f in filters if f.op not in ("eq", "in")})
+    tail = ranged or ([order.lstrip("-")] if order and order.lstrip("-") not in eq else [])
+    props = eq + tail[:1]
+    suggestion = (
+        f"Index(table='index_{'_'.join(props)}', properties={props!r}, shard_on={props[0]!r})"
+    )
+    note = " (a query ranges over one property only)" if len(ranged) > 1 else ""
+    return NoIndexForQuery(
+        f"no ready index answers this query; one that would: {suggestion}{note}",
+        suggestion=suggestion,
+    )
+
+
+def _attempt(
+    work: Callable[[Backend, list[T]], R], backend: Backend, items: list[T]
+) -> tuple[R | None, Retryable | None]:
+    """``(result, None)``, or ``(None, error)`` when the shard refused the
+    write for routing reasons (other errors propagate)."""
+    try:
+        return work(backend, items), None
+    except (StalePlacement, KeyMigrating) as exc:
+        return None, exc
+
+
+#: FriendFeed's spelling: ``DataStore(mysql_shards=["127.0.0.1:3306", ...], indexes=[...])``.
+DataStore = Datastore
+
+
+def open(
+    path: str | os.PathLike[str],
+    indexes: Iterable[Any] = (),
+    shards: int | None = None,
+    **kwargs: Any,
+) -> Datastore:
+    """The embedded default: a store of SQLite files under the directory ``path``.
+
+    ``shards`` is how many files a new store gets (default 4); an existing store
+    keeps the number it was created with.
+    """
+    from bagstore.backends.sqlite import SQLiteBackend
+
+    root = os.fspath(path)
+    if shards is not None and (
+        not isinstance(shards, int) or isinstance(shards, bool) or shards < 1
+    ):
+        raise ConfigurationError(f"shards must be a positive integer, not {shards!r}")
+    os.makedirs(root, exist_ok=True)
+    first = os.path.join(root, SQLITE_SHARD_FILE.format(0))
+    existing: int | None = None
+    if os.path.exists(first):
+        probe = SQLiteBackend(first)
+        try:
+            existing = Catalog(probe).stored_shard_count()
+        finally:
+            probe.close()
+    if existing is not None and shards is not None and shards != existing:
+        raise ConfigurationError(
+            f"the store in {root!r} has {existing} shards; {shards} were asked for"
+        )
+    # An existing store lists its shards (some maybe added later) in its catalog,
+    # which lives in the first file: name only that one.
+    count = 1 if existing else (shards or 4)
+    files = [SQLITE_SHARD_FILE.format(i) for i in range(count)]
+    urls = ["sqlite:///" + os.path.join(root, f) for f in files]
+    return Datastore(urls, indexes=indexes, _shard_names=files, _root=root, **kwargs)

@@ -1,0 +1,120 @@
+"""The whole bagstore exception tree.
+
+Every error bagstore raises derives from :class:`BagstoreError`::
+
+    BagstoreError
+      ConfigurationError              bad URL or config file, shards that do not match the catalog
+      InvalidEntity                   bad entity: not a dict, bad id, unencodable value, too big
+      InvalidQuery                    unknown lookup, bad filter value, bad cursor
+      BagstoreIndexError
+        IndexNotReady                 the index that would answer is still building (or retired)
+        NoIndexForQuery               no declared index can answer; names the one that would
+      BackendError                    wraps the driver's error (``raise ... from exc``)
+        ShardUnavailable              the shard's server cannot be reached
+        ShardTimeout                  the shard did not answer in time (lock wait, timeout)
+        DuplicateValue                a unique index already holds the value
+      Retryable                       the operation may succeed if simply tried again
+        KeyMigrating                  the key's bucket is being moved or migrated
+        StalePlacement                this process's placement was out of date
+
+Bad input (``InvalidEntity``, ``InvalidQuery``) is always raised before anything is
+written: nothing stored changes.  Driver exceptions are translated in one place,
+:func:`bagstore.backends.base.translate_errors`.
+
+    >>> import bagstore
+    >>> try:
+    ...     bagstore.open(":memory:").put("not a dict")  # doctest: +SKIP
+    ... except bagstore.InvalidEntity as exc:
+    ...     print(exc)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "BagstoreError",
+    "BagstoreIndexError",
+    "ConfigurationError",
+    "DuplicateValue",
+    "IndexNotReady",
+    "InvalidEntity",
+    "InvalidQuery",
+    "KeyMigrating",
+    "NoIndexForQuery",
+    "Retryable",
+    "ShardTimeout",
+    "ShardUnavailable",
+    "StalePlacement",
+]
+
+
+class BagstoreError(Exception):
+    """Root of every exception bagstore raises."""
+
+
+class ConfigurationError(BagstoreError):
+    """The datastore was configured wrongly (URL, config file, shard list, names)."""
+
+
+class InvalidEntity(BagstoreError, ValueError):
+    """An entity that cannot be stored. Nothing was written."""
+
+
+class InvalidQuery(BagstoreError, ValueError):
+    """A query that cannot be run as asked: unknown lookup, bad value, bad cursor."""
+
+
+class BagstoreIndexError(BagstoreError):
+    """A query cannot be served by an index in its current state."""
+
+
+class IndexNotReady(BagstoreIndexError):
+    """The index that would answer is still ``building`` (or ``retired``).
+
+    ``index.get_all(..., allow_partial=True)`` reads a building index anyway.
+    """
+
+    def __init__(self, message: str, *, index: str = "", state: str = "") -> None:
+        super().__init__(message)
+        self.index = index
+        self.state = state
+
+
+class NoIndexForQuery(BagstoreIndexError):
+    """No index can answer the query; ``suggestion`` describes one that would."""
+
+    def __init__(self, message: str, *, suggestion: str = "") -> None:
+        super().__init__(message)
+        self.suggestion = suggestion
+
+
+class BackendError(BagstoreError):
+    """A storage backend failed; ``__cause__`` holds the driver's exception."""
+
+    def __init__(self, message: str, *, shard: str = "") -> None:
+        super().__init__(message)
+        self.shard = shard
+
+
+class ShardUnavailable(BackendError):
+    """The shard's server cannot be reached (refused, gone away, lost connection)."""
+
+
+class ShardTimeout(BackendError):
+    """The shard did not answer in time (lock wait timeout, busy database)."""
+
+
+class DuplicateValue(BackendError):
+    """A unique index already holds this value for another entity. Nothing was written."""
+
+
+class Retryable(BagstoreError):
+    """The operation did not happen, and may succeed if tried again shortly."""
+
+
+class KeyMigrating(Retryable):
+    """The key (or its bucket) is being moved; writes to it are refused for now."""
+
+
+class StalePlacement(Retryable):
+    """This process routed by an out-of-date placement; it refreshes and retries."""

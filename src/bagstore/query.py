@@ -1,0 +1,360 @@
+"""Queries: filters and lookups, planning onto an index, keyset cursors, re-checks.
+
+Filters use Django's lookups: ``prop`` (equality), ``prop__in``, ``prop__gt``,
+``__gte``, ``__lt``, ``__lte``.  An index answers a query when the filters give
+equality (or ``__in``) on a prefix of its properties and at most a range on the
+next one.  Results come in index order of the properties after that prefix, then
+entity id; the same order on every shard, so a query over several shards is a
+k-way merge of their sorted scans.
+
+Every entity fetched through an index is re-checked against the whole query, and
+the index row itself against the entity (a row whose values the entity no longer
+has is stale and skipped): a stale row costs a lookup, never a wrong answer.
+Comparisons use :mod:`bagstore.keys`, so they agree with the index exactly.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import heapq
+import itertools
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from hashlib import blake2b
+from typing import TYPE_CHECKING, Any, Protocol
+
+from bagstore import keys
+from bagstore.backends.indexsql import Scan
+from bagstore.errors import InvalidQuery
+from bagstore.sharding.hashing import bucket_of
+
+if TYPE_CHECKING:
+    from bagstore.backends import Backend
+    from bagstore.index import Index
+
+__all__ = ["Filter", "Plan", "QueryResult", "parse_filters", "plan_query"]
+
+LOOKUPS = {"eq", "in", "gt", "gte", "lt", "lte"}
+MAX_LIMIT = 10_000
+#: A query without ``limit`` returns at most this many entities (more: InvalidQuery).
+MAX_UNLIMITED = 100_000
+MAX_IN = 1_000
+
+
+class QueryResult(list[dict[str, Any]]):
+    """A page of entities; ``cursor`` continues after it (None after the last page)."""
+
+    cursor: str | None
+
+    def __init__(self, items: Sequence[dict[str, Any]] = (), cursor: str | None = None) -> None:
+        super().__init__(items)
+        self.cursor = cursor
+
+
+@dataclass(frozen=True)
+class Filter:
+    """One parsed filter: ``prop``, a lookup, the value(s) and their full keys."""
+
+    prop: str
+    op: str
+    value: Any
+    keys: tuple[bytes, ...]
+
+    def matches(self, entity: Mapping[str, Any]) -> bool:
+        """Whether any of the entity's values for ``prop`` satisfies the filter."""
+        for v in keys.index_values(entity.get(self.prop)):
+            k = keys.encode_value(v)
+            op = self.op
+            if op in ("eq", "in"):
+                if k in self.keys:
+                    return True
+            elif (
+                (op == "gt" and k > self.keys[0])
+                or (op == "gte" and k >= self.keys[0])
+                or (op == "lt" and k < self.keys[0])
+                or (op == "lte" and k <= self.keys[0])
+            ) and k[0] == self.keys[0][0]:
+                return True
+        return False
+
+
+def parse_filters(filters: Mapping[str, Any]) -> list[Filter]:
+    """Parse ``{"published__gte": t, ...}``; unknown lookups and bad values raise."""
+    out: list[Filter] = []
+    for name, value in filters.items():
+        prop, sep, lookup = name.partition("__")
+        op = lookup if sep else "eq"
+        if op not in LOOKUPS or not prop or "__" in lookup:
+            raise InvalidQuery(
+                f"unknown lookup in filter {name!r}: use prop, prop__in, prop__gt, "
+                "prop__gte, prop__lt or prop__lte"
+            )
+        if op == "in":
+            if isinstance(value, (str, bytes)) or not isinstance(
+                value, (list, tuple, set, frozenset)
+            ):
+                raise InvalidQuery(f"filter {name!r} takes a list of values")
+            values = list(value)
+            if len(values) > MAX_IN:
+                raise InvalidQuery(f"filter {name!r}: at most {MAX_IN} values")
+        else:
+            values = [value]
+        encoded: list[bytes] = []
+        for v in values:
+            if v is None:
+                raise InvalidQuery(
+                    f"filter {name!r}: None is never indexed (an entity without the "
+                    "property has no index row)"
+                )
+            try:
+                encoded.append(keys.encode_value(v))
+            except keys.UnindexableValue as exc:
+                raise InvalidQuery(f"filter {name!r}: {exc}") from None
+        out.append(Filter(prop, op, value, tuple(dict.fromkeys(encoded))))
+    return out
+
+
+@dataclass
+class Plan:
+    """How one index answers one query."""
+
+    index: Index
+    filters: list[Filter]
+    eq: list[Filter]  # one filter per leading property, in index order
+    bounds: keys.Bounds | None  # on the next property (stored keys)
+    desc: bool
+    order_props: tuple[str, ...] = field(default=())
+
+    @property
+    def single_shard(self) -> bool:
+        return self.index.properties.index(self.index.shard_on) < len(self.eq)
+
+    def score(self) -> tuple[int, int, int]:
+        """Higher is better: properties used, reads one shard, fewer columns."""
+        used = len(self.eq) + (1 if self.bounds is not None else 0)
+        return used, int(self.single_shard), -len(self.index.properties)
+
+    def fingerprint(self) -> str:
+        h = blake2b(digest_size=8)
+        h.update(self.index.to_json().encode())
+        for f in sorted(self.filters, key=lambda f: (f.prop, f.op)):
+            h.update(f"{f.prop}|{f.op}|".encode() + b"|".join(f.keys) + b"\n")
+        h.update(b"desc" if self.desc else b"asc")
+        return h.hexdigest()
+
+
+def _intersect(a: keys.Bounds | None, b: keys.Bounds) -> keys.Bounds:
+    if a is None:
+        return b
+    if a.lower > b.lower or (a.lower == b.lower and not a.lower_inclusive):
+        lower, lower_inc = a.lower, a.lower_inclusive
+    else:
+        lower, lower_inc = b.lower, b.lower_inclusive
+    if a.upper < b.upper or (a.upper == b.upper and not a.upper_inclusive):
+        upper, upper_inc = a.upper, a.upper_inclusive
+    else:
+        upper, upper_inc = b.upper, b.upper_inclusive
+    return keys.Bounds(lower, lower_inc, upper, upper_inc)
+
+
+def plan_query(index: Index, filters: list[Filter], order: str | None) -> Plan:
+    """Fit the filters onto ``index``; raise InvalidQuery saying why it cannot."""
+    by_prop: dict[str, list[Filter]] = {}
+    for f in filters:
+        by_prop.setdefault(f.prop, []).append(f)
+    shape = (
+        f"index {index.table!r} on {list(index.properties)} answers equality (or __in) on a "
+        "prefix of its properties, then a range on the next one"
+    )
+    eq: list[Filter] = []
+    bounds: keys.Bounds | None = None
+    used: set[str] = set()
+    for prop in index.properties:
+        fs = by_prop.get(prop, [])
+        if not fs:
+            break
+        equal = [f for f in fs if f.op in ("eq", "in")]
+        if equal:
+            if len(fs) > 1:
+                raise InvalidQuery(f"property {prop!r}: equality combined with another filter")
+            eq.append(equal[0])
+            used.add(prop)
+            continue
+        lowers = [f for f in fs if f.op in ("gt", "gte")]
+        uppers = [f for f in fs if f.op in ("lt", "lte")]
+        if len(lowers) > 1 or len(uppers) > 1:
+            raise InvalidQuery(f"property {prop!r}: at most one lower and one upper bound")
+        for f in fs:
+            bounds = _intersect(bounds, keys.range_bounds(f.op, f.value))
+        if len(fs) == 2 and fs[0].keys[0][0] != fs[1].keys[0][0]:
+            raise InvalidQuery(f"property {prop!r}: range bounds of different types")
+        used.add(prop)
+        break
+    extra = [p for p in by_prop if p not in used]
+    if extra:
+        raise InvalidQuery(f"cannot filter on {extra} here: {shape}")
+    order_props = index.properties[len(eq) :]
+    desc = False
+    if order is not None:
+        if not isinstance(order, str):
+            raise InvalidQuery(
+                f"order must be a property name (with - for descending), not {order!r}"
+            )
+        desc = order.startswith("-")
+        name = order[1:] if desc else order
+        allowed = [f.prop for f in eq] + list(order_props[:1])
+        if name not in allowed:
+            raise InvalidQuery(
+                f"index {index.table!r} cannot order by {name!r} for this query; "
+                f"it orders by {list(order_props) or ['id']}"
+            )
+    return Plan(index, filters, eq, bounds, desc, tuple(order_props))
+
+
+# -- cursors ---------------------------------------------------------------------
+def encode_cursor(plan: Plan, position: Sequence[bytes]) -> str:
+    doc = {"q": plan.fingerprint(), "a": [p.hex() for p in position]}
+    return base64.urlsafe_b64encode(json.dumps(doc, separators=(",", ":")).encode()).decode()
+
+
+def decode_cursor(plan: Plan, cursor: str) -> tuple[bytes, ...]:
+    try:
+        doc = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        position = tuple(bytes.fromhex(p) for p in doc["a"])
+        fingerprint = doc["q"]
+    except (ValueError, KeyError, TypeError, AttributeError, binascii.Error):
+        raise InvalidQuery("malformed cursor") from None
+    if fingerprint != plan.fingerprint() or len(position) != len(plan.order_props) + 1:
+        raise InvalidQuery("this cursor belongs to another query")
+    return position
+
+
+# -- execution -------------------------------------------------------------------
+def shard_scans(
+    plan: Plan, backends: Sequence[Backend], shard_of_bucket: Sequence[int], buckets: int
+) -> dict[int, Scan]:
+    """One scan per shard that may hold matching rows."""
+    index = plan.index
+    eq_keys = [[keys.truncate(k)[0] for k in f.keys] for f in plan.eq]
+    eq_keys = [list(dict.fromkeys(ks)) for ks in eq_keys]
+    b = plan.bounds
+    template = dict(
+        table=index.table,
+        columns=index.properties,
+        lower=(b.lower, b.lower_inclusive) if b else None,
+        upper=(b.upper, b.upper_inclusive) if b else None,
+        desc=plan.desc,
+    )
+    if not plan.single_shard:
+        return {i: Scan(eq=[list(ks) for ks in eq_keys], **template) for i in range(len(backends))}  # type: ignore[arg-type]
+    pos = index.properties.index(index.shard_on)
+    per_shard: dict[int, list[bytes]] = {}
+    for full in plan.eq[pos].keys:
+        shard = shard_of_bucket[bucket_of(full, buckets)]
+        per_shard.setdefault(shard, [])
+        stored = keys.truncate(full)[0]
+        if stored not in per_shard[shard]:
+            per_shard[shard].append(stored)
+    out = {}
+    for shard, values in per_shard.items():
+        eq = [list(ks) for ks in eq_keys]
+        eq[pos] = values
+        out[shard] = Scan(eq=eq, **template)  # type: ignore[arg-type]
+    return out
+
+
+class _Stream:
+    """One shard's scan, fetched a page at a time from the keyset position."""
+
+    def __init__(self, backend: Backend, scan: Scan, page: int) -> None:
+        self.backend, self.scan, self.page = backend, scan, page
+        self.rows: list[tuple[bytes, ...]] = []
+        self.done = False
+
+    def fetch(self) -> None:
+        self.scan.limit = self.page
+        rows = self.backend.scan_index(self.scan)
+        self.rows = rows
+        self.done = len(rows) < self.page
+        if rows:
+            self.scan.after = rows[-1]
+
+    def __iter__(self) -> Iterator[tuple[bytes, ...]]:
+        while True:
+            yield from self.rows
+            self.rows = []
+            if self.done:
+                return
+            self.fetch()
+
+
+def stale(plan: Plan, row: tuple[bytes, ...], entity: Mapping[str, Any]) -> bool:
+    """True if the row holds order-column values the entity no longer has."""
+    for stored, prop in zip(row, plan.order_props, strict=False):
+        if not any(
+            keys.truncate(keys.encode_value(v))[0] == stored
+            for v in keys.index_values(entity.get(prop))
+        ):
+            return True
+    return False
+
+
+class Source(Protocol):
+    """What :func:`execute` needs from a datastore."""
+
+    def scan_streams(self, plan: Plan, page: int) -> list[_Stream]: ...
+
+    def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]: ...
+
+
+def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None) -> QueryResult:
+    """Run a planned query: merge the shards' scans, fetch, re-check, page."""
+    if limit is not None and (
+        not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT
+    ):
+        raise InvalidQuery(f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit!r}")
+    after = decode_cursor(plan, cursor) if cursor is not None else None
+    if cursor is not None and not isinstance(cursor, str):
+        raise InvalidQuery("cursor must be the string a previous result gave")
+    page = min(max((limit or 500) + 1, 20), 1000)
+    streams = source.scan_streams(plan, page)
+    for s in streams:
+        s.scan.after = after
+    source_map = getattr(source, "_map", None)
+    if source_map is not None and len(streams) > 1:
+        source_map(lambda s: s.fetch(), streams)
+    else:
+        for s in streams:
+            s.fetch()
+    merged = heapq.merge(*streams, reverse=plan.desc)
+    results: list[dict[str, Any]] = []
+    seen: set[bytes] = set()
+    last: tuple[bytes, ...] | None = None
+    want = limit if limit is not None else MAX_UNLIMITED + 1
+    batch = limit or 500
+    exhausted = left_over = False
+    while len(results) < want and not exhausted:
+        rows = list(itertools.islice(merged, batch))
+        exhausted = len(rows) < batch
+        entities = source.fetch_for_query(list(dict.fromkeys(r[-1] for r in rows)))
+        for i, row in enumerate(rows):
+            entity_id = row[-1]
+            entity = entities.get(entity_id)
+            if entity is None or entity_id in seen or stale(plan, row, entity):
+                continue
+            if all(f.matches(entity) for f in plan.filters):
+                results.append(entity)
+                seen.add(entity_id)
+                last = row
+                if len(results) >= want:
+                    left_over = i + 1 < len(rows)
+                    break
+        batch = max(batch, 2 * (want - len(results)))
+    if limit is None and len(results) > MAX_UNLIMITED:
+        raise InvalidQuery(
+            f"more than {MAX_UNLIMITED} entities match: pass limit= and page with the cursor"
+        )
+    more = limit is not None and len(results) >= want and (left_over or not exhausted)
+    return QueryResult(results, encode_cursor(plan, last) if more and last is not None else None)

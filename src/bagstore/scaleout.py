@@ -1,0 +1,360 @@
+"""Growing while serving: add shards, move buckets, rebalance (Yupoo's growth path).
+
+A bucket moves from its source shard to a target in steps recorded in the
+catalog (``bagstore_moves``), so a move killed at any point can be resumed or
+rolled back:
+
+1. ``copy``: the target marks the bucket ``INCOMING`` (it refuses writes for
+   it) and receives the bucket's entities (every kind) and index rows in
+   batches, while the source keeps serving reads and writes;
+2. ``frozen``: the source marks the bucket ``FROZEN``: writers to it wait
+   (and retry) instead of writing; the target is made identical to the now
+   still source (the changes since the copy: new, changed and deleted rows);
+3. ``switched``: the target owns the bucket, the catalog points the bucket at
+   it, the source lets go of it — a process still routing by the old
+   placement is refused there (fencing) and refreshes;
+4. after a grace period (stale readers refresh their placement within
+   ``refresh_interval``) the source's copy is deleted and the move is done.
+
+Writes to the bucket wait only for step 2's final sync of one bucket.
+
+    >>> import bagstore, tempfile
+    >>> root = tempfile.mkdtemp()
+    >>> ds = bagstore.open(root, shards=1, buckets=8)
+    >>> _ = ds.put_many([{"n": i} for i in range(20)])
+    >>> ds.add_shard(f"sqlite:///{root}/extra.db")
+    1
+    >>> ds.rebalance(grace=0).buckets
+    4
+    >>> [s["buckets"] for s in ds.status()["shards"]]
+    [4, 4]
+    >>> ds.close()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from bagstore.backends import Backend, open_backend
+from bagstore.backends.buckets import FROZEN, INCOMING, OWNED
+from bagstore.backends.indexsql import IndexRow
+from bagstore.catalog import IndexCatalog
+from bagstore.errors import ConfigurationError
+from bagstore.index import Index
+
+if TYPE_CHECKING:
+    from bagstore.datastore import Datastore
+
+__all__ = ["MoveStats", "Mover"]
+
+COPY, FROZEN_PHASE, SWITCHED = "copy", "frozen", "switched"
+
+
+@dataclass
+class MoveStats:
+    """What a move did: buckets moved, entity and index rows copied and deleted,
+    and the longest time a bucket was frozen (seconds)."""
+
+    buckets: int = 0
+    entities: int = 0
+    index_rows: int = 0
+    deleted: int = 0
+    longest_freeze: float = 0.0
+    seconds: float = 0.0
+
+
+class Mover:
+    """Moves buckets between the shards of one store (all kinds, all indexes)."""
+
+    def __init__(
+        self,
+        ds: Datastore,
+        *,
+        batch: int = 500,
+        grace: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.ds = ds
+        self.batch = batch
+        self.grace = ds._refresh_interval + 1.0 if grace is None else grace
+        self.progress = progress
+        self.index_catalog = IndexCatalog(ds._catalog_backend)
+
+    # -- shards --------------------------------------------------------------------
+    def add_shard(self, url: str) -> int:
+        """Register a new, empty shard; return its number.  It holds no bucket
+        until buckets are moved to it."""
+        ds = self.ds
+        backend = open_backend(
+            url, mysql=ds._mysql_defaults, sqlite_synchronous=ds._sqlite_synchronous
+        )
+        try:
+            if any(b.name == backend.name for b in ds._backends):
+                raise ConfigurationError(f"{backend.name} is already a shard of this store")
+            no = len(ds.catalog.read_placement().shard_names)
+            store, stamped = backend.stamp(ds.placement.store_id, no)
+            if store != ds.placement.store_id or stamped != no:
+                raise ConfigurationError(
+                    f"database {backend.name} already belongs to store {store} as shard {stamped}"
+                )
+            self._prepare(backend)
+        finally:
+            backend.close()
+        name = backend.name
+        if ds._root is not None and name.startswith("sqlite:///"):
+            path = name[len("sqlite:///") :]
+            if path.startswith(ds._root.rstrip("/") + "/"):
+                name = path[len(ds._root.rstrip("/")) + 1 :]
+        no = ds.catalog.add_shard(name)
+        ds.refresh_placement(force=True)
+        return no
+
+    def _prepare(self, backend: Backend) -> None:
+        """Every kind's entities table and every index table on a shard."""
+        for kind in self.ds.catalog.kinds():
+            backend.ensure_kind(kind)
+        for index in self._indexes():
+            backend.ensure_index_table(index.table, index.properties, index.unique)
+
+    def _indexes(self) -> list[Index]:
+        return [Index.from_json(d) for _, _, d, _ in self.index_catalog.all_entries()]
+
+    def _target(self, to: int | str) -> int:
+        names = self.ds.refresh_placement(force=True).shard_names
+        if isinstance(to, int) and not isinstance(to, bool) and 0 <= to < len(names):
+            return to
+        for no, backend in enumerate(self.ds._backends):
+            if to in (backend.name, names[no]):
+                return no
+        raise ConfigurationError(f"no shard {to!r} in this store (shards: {list(names)})")
+
+    # -- moves -----------------------------------------------------------------------
+    def move(self, buckets: Sequence[int], to: int | str) -> MoveStats:
+        """Move buckets to a shard (a number or a name), one bucket at a time."""
+        target = self._target(to)
+        count = self.ds.placement.buckets
+        for b in buckets:
+            if not isinstance(b, int) or not 0 <= b < count:
+                raise ConfigurationError(f"no bucket {b!r} (buckets are 0 to {count - 1})")
+        unfinished = self.ds.catalog.moves()
+        for b in buckets:
+            if b in unfinished and unfinished[b][1] != target:
+                raise ConfigurationError(
+                    f"bucket {b} has an unfinished move to shard {unfinished[b][1]}: "
+                    "resume or roll it back first"
+                )
+        stats = MoveStats()
+        started = time.monotonic()
+        switched: list[tuple[int, int]] = []
+        for i, b in enumerate(buckets):
+            source = self.ds.refresh_placement(force=True).shard_of_bucket[b]
+            if source != target:
+                self._move_one(b, source, target, stats)
+                switched.append((b, source))
+            if self.progress is not None:
+                self.progress(i + 1, len(buckets))
+        self._finish(switched, stats)
+        stats.seconds = time.monotonic() - started
+        return stats
+
+    def _move_one(self, b: int, source: int, target: int, stats: MoveStats) -> None:
+        ds = self.ds
+        src, dst = ds._backends[source], ds._backends[target]
+        ds.catalog.set_move(b, source, target, COPY)
+        self._prepare(dst)
+        dst.set_bucket_state(b, INCOMING)
+        self._sync(b, src, dst, stats)
+        frozen_at = time.monotonic()
+        src.set_bucket_state(b, FROZEN)
+        ds.catalog.set_move(b, source, target, FROZEN_PHASE)
+        self._sync(b, src, dst, stats)
+        dst.set_bucket_state(b, OWNED)
+        ds.catalog.set_bucket(b, target)
+        ds.catalog.set_move(b, source, target, SWITCHED)
+        src.release_bucket(b)
+        stats.longest_freeze = max(stats.longest_freeze, time.monotonic() - frozen_at)
+        stats.buckets += 1
+        ds.refresh_placement(force=True)
+
+    def _finish(self, switched: list[tuple[int, int]], stats: MoveStats) -> None:
+        """After the grace period, delete the sources' copies and end the moves."""
+        if not switched:
+            return
+        time.sleep(self.grace)
+        for b, source in switched:
+            stats.deleted += self._clear(b, self.ds._backends[source])
+            self.ds.catalog.end_move(b)
+
+    def _sync(self, b: int, src: Backend, dst: Backend, stats: MoveStats) -> None:
+        """Make the target's copy of bucket ``b`` equal to the source's."""
+        for kind in self.ds.catalog.kinds():
+            have = src.bucket_stamps(kind, b)
+            got = dst.bucket_stamps(kind, b)
+            need = [i for i, stamp in have.items() if got.get(i) != stamp]
+            for start in range(0, len(need), self.batch):
+                rows = src.entity_rows(kind, need[start : start + self.batch])
+                dst.copy_entity_rows(kind, rows)
+                stats.entities += len(rows)
+            dst.delete_ids(kind, [i for i in got if i not in have])
+        for index in self._indexes():
+            have_rows = src.bucket_index_rows(index.table, index.properties, index.unique, b)
+            got_rows = dst.bucket_index_rows(index.table, index.properties, index.unique, b)
+            missing = [r for r in have_rows if r not in got_rows]
+            by_claim: dict[int | None, list[IndexRow]] = {}
+            for r in missing:
+                by_claim.setdefault(have_rows[r], []).append(r)
+            for claimed, part in by_claim.items():
+                dst.insert_index_rows(index.table, index.properties, part, claimed=claimed)
+            stats.index_rows += len(missing)
+            extra = [r for r in got_rows if r not in have_rows]
+            dst.delete_index_rows(index.table, index.properties, extra)
+        # id -> bucket lookup rows of kinds placed by a shard key
+        have_ids = set(src.bucket_id_rows(b))
+        got_ids = set(dst.bucket_id_rows(b))
+        for kind, entity_id, entity_bucket in have_ids - got_ids:
+            dst.record_ids(kind, [(entity_id, b, entity_bucket)])
+        for kind, entity_id, _ in got_ids - have_ids:
+            if not any(k == kind and i == entity_id for k, i, _ in have_ids):
+                dst.forget_ids(kind, [entity_id])
+
+    def _clear(self, b: int, backend: Backend) -> int:
+        """Delete every entity and index row of bucket ``b`` on ``backend``."""
+        deleted = 0
+        for kind in self.ds.catalog.kinds():
+            deleted += backend.delete_ids(kind, list(backend.bucket_stamps(kind, b)))
+        for index in self._indexes():
+            rows = list(backend.bucket_index_rows(index.table, index.properties, index.unique, b))
+            deleted += backend.delete_index_rows(index.table, index.properties, rows)
+        by_kind: dict[str, list[bytes]] = {}
+        for kind, entity_id, _ in backend.bucket_id_rows(b):
+            by_kind.setdefault(kind, []).append(entity_id)
+        for kind, ids in by_kind.items():
+            backend.forget_ids(kind, ids)
+            deleted += len(ids)
+        return deleted
+
+    # -- recovery --------------------------------------------------------------------
+    def unfinished(self) -> dict[int, tuple[int, int, str]]:
+        """``{bucket: (source, target, phase)}`` of moves a killed process left."""
+        return self.ds.catalog.moves()
+
+    def resume(self) -> MoveStats:
+        """Finish every unfinished move."""
+        stats = MoveStats()
+        switched = []
+        for b, (source, target, phase) in sorted(self.unfinished().items()):
+            if phase != SWITCHED:
+                self._move_one(b, source, target, stats)
+            else:
+                self.ds._backends[source].release_bucket(b)
+            switched.append((b, source))
+        self._finish(switched, stats)
+        return stats
+
+    def rollback(self, bucket: int) -> None:
+        """Undo an unfinished move that has not switched: the source owns the
+        bucket again and the target's partial copy is deleted."""
+        moves = self.unfinished()
+        if bucket not in moves:
+            raise ConfigurationError(f"bucket {bucket} has no unfinished move")
+        source, target, phase = moves[bucket]
+        if phase == SWITCHED:
+            raise ConfigurationError(
+                f"the move of bucket {bucket} has switched already: resume it instead"
+            )
+        self.ds.refresh_placement(force=True)
+        src, dst = self.ds._backends[source], self.ds._backends[target]
+        src.set_bucket_state(bucket, OWNED)
+        dst.release_bucket(bucket)
+        self._clear(bucket, dst)
+        self.ds.catalog.end_move(bucket)
+
+    # -- one key (directory shard map) ---------------------------------------------------
+    def migrate_key(self, value: object, to_bucket: int, *, wait: float | None = None) -> int:
+        """Move every entity of one shard key to another bucket; return how many.
+
+        The key is marked migrating (writes to it get KeyMigrating), and after
+        ``wait`` seconds (default: the directory cache's lifetime, so that no
+        process still writes by an old entry) its entities are copied, their
+        lookup rows switched, the directory pointed at the new bucket, and the
+        old copies deleted.  Re-running it after a crash finishes the job.
+        """
+        ds = self.ds
+        placer = ds._placer
+        directory = placer.directory
+        if directory is None:
+            raise ConfigurationError(
+                f"kind {ds.kind!r} does not use the directory shard map (shard_map='directory')"
+            )
+        if not isinstance(to_bucket, int) or not 0 <= to_bucket < ds.placement.buckets:
+            raise ConfigurationError(f"no bucket {to_bucket!r}")
+        from bagstore import codec, keys
+        from bagstore.sharding.directory import MIGRATING, NORMAL
+
+        try:
+            key = keys.encode_value(value)
+        except keys.UnindexableValue as exc:
+            raise ConfigurationError(f"bad shard key {value!r}: {exc}") from None
+        found = directory.lookup(key)
+        if found is None:
+            directory.set(key, to_bucket, NORMAL)
+            return 0
+        old, state = found
+        if old == to_bucket and state == NORMAL:
+            return 0
+        directory.set(key, old, MIGRATING)
+        time.sleep(directory.ttl + 0.2 if wait is None else wait)
+        placement = ds.refresh_placement(force=True)
+        src = ds._backends[placement.shard_of_bucket[old]]
+        dst = ds._backends[placement.shard_of_bucket[to_bucket]]
+        ids = list(src.bucket_stamps(ds.kind, old))
+        moved: list[bytes] = []
+        for start in range(0, len(ids), self.batch):
+            rows = src.entity_rows(ds.kind, ids[start : start + self.batch])
+            mine = [r for r in rows if placer.key_of(codec.decode(r[4])) == key]
+            dst.copy_entity_rows(ds.kind, [(i, to_bucket, u, v, body) for i, _, u, v, body in mine])
+            placer.record({r[0]: to_bucket for r in mine})
+            moved += [r[0] for r in mine]
+        if src is not dst:
+            src.delete_ids(ds.kind, moved)
+        directory.set(key, to_bucket, NORMAL)
+        directory.moved(old, to_bucket)
+        return len(moved)
+
+    # -- rebalance -------------------------------------------------------------------
+    def plan(self) -> list[tuple[int, int]]:
+        """``(bucket, target)`` moves that give every shard an even share."""
+        placement = self.ds.refresh_placement(force=True)
+        n = len(placement.shard_names)
+        held: list[list[int]] = [[] for _ in range(n)]
+        for b, s in enumerate(placement.shard_of_bucket):
+            held[s].append(b)
+        base, extra = divmod(placement.buckets, n)
+        # the shards holding most keep the larger shares: fewest moves
+        order = sorted(range(n), key=lambda s: -len(held[s]))
+        want = {s: base + (1 if rank < extra else 0) for rank, s in enumerate(order)}
+        surplus = [b for s in range(n) for b in held[s][want[s] :]]
+        moves = []
+        for s in range(n):
+            for _ in range(want[s] - len(held[s])):
+                moves.append((surplus.pop(), s))
+        return moves
+
+    def rebalance(self) -> MoveStats:
+        """Move buckets until every shard holds an even share."""
+        total = MoveStats()
+        by_target: dict[int, list[int]] = {}
+        for b, target in self.plan():
+            by_target.setdefault(target, []).append(b)
+        for target, buckets in by_target.items():
+            stats = self.move(sorted(buckets), target)
+            total.buckets += stats.buckets
+            total.entities += stats.entities
+            total.index_rows += stats.index_rows
+            total.deleted += stats.deleted
+            total.longest_freeze = max(total.longest_freeze, stats.longest_freeze)
+            total.seconds += stats.seconds
+        return total

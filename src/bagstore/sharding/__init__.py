@@ -1,0 +1,1 @@
+"""Routing: key -> bucket (pure hashing), bucket -> shard (placement)."""

@@ -1,0 +1,132 @@
+"""Fixtures: one suite, parametrized over backends and topologies.
+
+* ``sqlite``  - four SQLite files in a temporary directory;
+* ``mysql``   - four databases on the MariaDB at 127.0.0.1:3306;
+* ``mysql2``  - four databases over two MariaDB servers: 3306 and a second
+  ``mariadbd`` the fixtures start on a free port (for tests that ask for it).
+
+Outside CI a missing server skips its tests; in CI (``CI=true``) it fails them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import bagstore
+from tests import servers
+
+MYSQL = servers.parse_mysql_url()
+
+
+def _need(reason: str | None) -> None:
+    if reason is None:
+        return
+    if servers.in_ci():
+        pytest.fail(f"CI requires this server: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def mysql_main() -> servers.MySQLAddress:
+    _need(servers.mysql_reachable(MYSQL.host, MYSQL.port, MYSQL.user, MYSQL.password))
+    return MYSQL
+
+
+@pytest.fixture(scope="session")
+def mysql_second() -> Iterator[servers.MariaDBServer]:
+    """A second MariaDB server, started for this test session."""
+    try:
+        server = servers.MariaDBServer()
+        server.start()
+    except servers.ServerUnavailable as exc:
+        _need(str(exc))
+        raise
+    yield server
+    server.stop()
+
+
+class Topology:
+    """A set of shard URLs for one test; ``open()`` makes a Datastore on them."""
+
+    def __init__(self, name: str, urls: list[str], cleanup: Callable[[], None] | None = None):
+        self.name = name
+        self.urls = urls
+        self._cleanup = cleanup
+        self._open: list[bagstore.Datastore] = []
+
+    @property
+    def is_mysql(self) -> bool:
+        return self.name != "sqlite"
+
+    def open(self, **kwargs: Any) -> bagstore.Datastore:
+        ds = bagstore.Datastore(self.urls, **kwargs)
+        self._open.append(ds)
+        return ds
+
+    def close(self) -> None:
+        for ds in self._open:
+            ds.close()
+        if self._cleanup:
+            self._cleanup()
+
+
+def _mysql_topology(
+    name: str, hosts: list[tuple[servers.MySQLAddress | servers.MariaDBServer, int]]
+) -> Topology:
+    urls: list[str] = []
+    made: list[tuple[Any, list[str]]] = []
+    for server, count in hosts:
+        names = [servers.unique_name(name) for _ in range(count)]
+        # bagstore creates missing databases itself; the fixture only drops them.
+        made.append((server, names))
+        urls += [f"mysql://root@{server.host}:{server.port}/{n}" for n in names]
+
+    def cleanup() -> None:
+        for server, names in made:
+            servers.drop_databases(server.host, server.port, names, "root", "")
+
+    return Topology(name, urls, cleanup)
+
+
+@pytest.fixture(params=["sqlite", "mysql"])
+def topo(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Topology]:
+    """Four shards on SQLite, or four databases on the main MariaDB."""
+    t = _make(request, request.param, tmp_path)
+    yield t
+    t.close()
+
+
+@pytest.fixture(params=["sqlite", "mysql", "mysql2"])
+def topo3(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Topology]:
+    """Like ``topo``, plus four databases over two MariaDB servers."""
+    t = _make(request, request.param, tmp_path)
+    yield t
+    t.close()
+
+
+def _make(request: pytest.FixtureRequest, name: str, tmp_path: Path) -> Topology:
+    if name == "sqlite":
+        return Topology(name, [f"sqlite:///{tmp_path}/shard_{i}.db" for i in range(4)])
+    main = request.getfixturevalue("mysql_main")
+    if name == "mysql":
+        return _mysql_topology("t", [(main, 4)])
+    second = request.getfixturevalue("mysql_second")
+    return _mysql_topology("t2", [(main, 2), (second, 2)])
+
+
+@pytest.fixture
+def ds(topo: Topology) -> bagstore.Datastore:
+    """A datastore without indexes, on each backend."""
+    return topo.open()
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("BAGSTORE_MYSQL_"):
+            monkeypatch.delenv(key)

@@ -1,0 +1,151 @@
+"""Every kind of bad input: a clear bagstore exception, and nothing stored changes."""
+
+from __future__ import annotations
+
+import decimal
+from pathlib import Path
+
+import pytest
+
+import bagstore
+from tests.conftest import Topology
+
+
+def _snapshot(ds: bagstore.Datastore) -> dict[bytes, dict[str, object] | None]:
+    ids = []
+    for backend in ds._backends:
+        ids += [bytes(r[0]) for r in backend.fetchall("SELECT id FROM entities")]
+    return dict(zip(ids, ds.get_many(ids), strict=True))
+
+
+@pytest.fixture
+def seeded(ds: bagstore.Datastore) -> bagstore.Datastore:
+    ds.put_many([{"n": i, "title": f"t{i}"} for i in range(10)])
+    return ds
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("a string", "must be a dict"),
+        ([("n", 1)], "must be a dict"),
+        (None, "must be a dict"),
+        ({"id": "71f0c4d2291844cca2df6f486e96e37c"}, "bytes.fromhex"),
+        ({"id": b"short"}, "16 bytes"),
+        ({"id": bytearray(16)}, "must be bytes"),
+        ({"v": (1, 2)}, "tuple"),
+        ({"v": {1, 2}}, "set"),
+        ({"v": decimal.Decimal("1.5")}, "Decimal"),
+        ({"v": object()}, "object"),
+        ({1: "non-string key"}, "must be str"),
+        ({"nested": {"deep": [1, {2: "x"}]}}, "must be str"),
+    ],
+)
+def test_bad_entity_is_refused_and_nothing_changes(
+    seeded: bagstore.Datastore, bad: object, message: str
+) -> None:
+    before = _snapshot(seeded)
+    with pytest.raises(bagstore.InvalidEntity, match=message):
+        seeded.put(bad)  # type: ignore[arg-type]
+    with pytest.raises(bagstore.InvalidEntity):
+        seeded.put_many([{"fine": 1}, bad])  # type: ignore[list-item]
+    assert _snapshot(seeded) == before
+
+
+def test_body_over_the_backend_limit_is_refused(seeded: bagstore.Datastore) -> None:
+    import os
+
+    before = _snapshot(seeded)
+    limit = seeded._backends[0].max_body_bytes
+    with pytest.raises(bagstore.InvalidEntity, match="limit"):
+        seeded.put({"blob": os.urandom(limit + 1)})  # random bytes do not compress
+    assert _snapshot(seeded) == before
+
+
+def test_body_just_under_the_limit_is_stored(topo: Topology) -> None:
+    import os
+
+    ds = topo.open()
+    size = min(ds._backends[0].max_body_bytes - 1024, 4 * 1024 * 1024)
+    blob = os.urandom(size)
+    entity_id = ds.put({"blob": blob})
+    assert ds.get(entity_id) == {"blob": blob, "id": entity_id}
+
+
+@pytest.mark.parametrize("bad", ["abc", b"short", 12, None, bytearray(16)])
+def test_bad_ids_on_read_and_delete(seeded: bagstore.Datastore, bad: object) -> None:
+    before = _snapshot(seeded)
+    with pytest.raises(bagstore.InvalidQuery):
+        seeded.get(bad)  # type: ignore[arg-type]
+    with pytest.raises(bagstore.InvalidQuery):
+        seeded.get_many([bagstore.new_id(), bad])  # type: ignore[list-item]
+    with pytest.raises(bagstore.InvalidQuery):
+        seeded.delete(bad)  # type: ignore[arg-type]
+    with pytest.raises(bagstore.InvalidQuery):
+        seeded.delete_many([next(iter(before)), bad])  # type: ignore[list-item]
+    assert _snapshot(seeded) == before
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("postgresql://localhost/db", "unknown URL scheme"),
+        ("redis://localhost:6379", "unknown URL scheme"),
+        ("nonsense", "expected host:port"),
+        ("sqlite:relative.db", "bad SQLite URL"),
+        ("mysql://root@127.0.0.1:3306/bad-name", "not a plain identifier"),
+        ("mysql://root@127.0.0.1:3306/db?colour=blue", "unknown option"),
+        ("mysql://root@127.0.0.1:99999/db", "bad port"),
+        ("mysql://root@127.0.0.1:3306/db?driver=oracle", "unknown MySQL driver"),
+    ],
+)
+def test_bad_urls(url: str, message: str) -> None:
+    with pytest.raises(bagstore.ConfigurationError, match=message):
+        bagstore.Datastore([url])
+
+
+def test_bad_shard_lists(tmp_path: Path) -> None:
+    with pytest.raises(bagstore.ConfigurationError, match="at least one"):
+        bagstore.Datastore([])
+    with pytest.raises(bagstore.ConfigurationError, match="list of URLs"):
+        bagstore.Datastore(f"sqlite:///{tmp_path}/a.db")  # type: ignore[arg-type]
+    same = f"sqlite:///{tmp_path}/a.db"
+    with pytest.raises(bagstore.ConfigurationError, match="twice"):
+        bagstore.Datastore([same, same])
+    with pytest.raises(bagstore.ConfigurationError, match="buckets"):
+        bagstore.Datastore([f"sqlite:///{tmp_path}/b.db"], buckets=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"table": "bad-name", "properties": ["a"]}, "not a plain identifier"),
+        ({"table": "t; DROP TABLE entities", "properties": ["a"]}, "not a plain identifier"),
+        ({"table": "ok", "properties": ["a b"]}, "not a plain identifier"),
+        ({"table": "ok", "properties": "user_id"}, "list of names"),
+        ({"table": "ok", "properties": []}, "1 to 8"),
+        ({"table": "ok", "properties": ["a", "a"]}, "twice"),
+        ({"table": "ok", "properties": ["a"], "shard_on": "b"}, "must be one of"),
+        ({"table": "ok", "properties": ["entity_id"]}, "reserved"),
+        ({"table": "bagstore_x", "properties": ["a"]}, "reserved"),
+        ({"table": "x" * 65, "properties": ["a"]}, "not a plain identifier"),
+    ],
+)
+def test_bad_index_declarations(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(bagstore.ConfigurationError, match=message):
+        bagstore.Index(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_kind_name(tmp_path: Path) -> None:
+    with pytest.raises(bagstore.ConfigurationError, match="kind"):
+        bagstore.open(tmp_path, kind="entities; DROP TABLE x")
+
+
+def test_unreachable_mysql_is_shard_unavailable() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here once closed
+    with pytest.raises(bagstore.ShardUnavailable):
+        bagstore.Datastore([f"mysql://root@127.0.0.1:{port}/bst_nowhere?connect_timeout=2"])

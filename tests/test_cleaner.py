@@ -1,0 +1,340 @@
+"""The Cleaner: online backfill, resumable after SIGKILL, and repair after crashes."""
+
+from __future__ import annotations
+
+import binascii
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import bagstore
+from bagstore import testing
+from tests import servers
+from tests.conftest import Topology
+
+link_idx = bagstore.Index(table="index_link", properties=["link"], shard_on="link")
+user_idx = bagstore.Index(table="index_user_id", properties=["user_id"], shard_on="user_id")
+tags_idx = bagstore.Index(table="index_tags", properties=["tags"])
+
+
+def consistent(ds: bagstore.Datastore) -> bool:
+    report = ds.check()
+    return (report["missing"], report["stale"]) == (0, 0)
+
+
+def test_backfill_life_cycle(topo: Topology) -> None:
+    ds = topo.open(indexes=[user_idx])
+    old = ds.put_many([{"user_id": b"u%d" % (i % 5), "link": f"l{i % 40}"} for i in range(300)])
+    assert ds.add_index(link_idx) == "building"
+    with pytest.raises(bagstore.IndexNotReady):
+        link_idx.get_all(ds, link="l3")
+    during = ds.put({"link": "l3"})  # indexed by its writer at once
+    assert [e["id"] for e in link_idx.get_all(ds, link="l3", allow_partial=True)] == [during]
+    seen: list[tuple[int, int]] = []
+    stats = bagstore.Cleaner(ds, batch=50).backfill(
+        "index_link", progress=lambda d, t: seen.append((d, t))
+    )
+    assert stats.written == 300 and stats.entities == 301
+    assert seen[-1][0] == seen[-1][1] == 301
+    assert ds.indexes()["index_link"][1] == "ready"
+    found = link_idx.get_all(ds, link="l3")
+    assert sorted(e["id"] for e in found) == sorted([during, *[old[i] for i in range(3, 300, 40)]])
+    assert consistent(ds)
+    again = bagstore.Cleaner(ds, settle=0).backfill("index_link")  # harmless
+    assert (again.written, again.removed) == (0, 0)
+    assert consistent(ds)
+
+
+def test_other_process_learns_of_new_index_within_refresh(topo: Topology) -> None:
+    writer = topo.open(refresh_interval=0.2)
+    admin = topo.open()
+    writer.put({"link": "before"})
+    admin.add_index(link_idx)
+    time.sleep(0.3)
+    new = writer.put({"link": "after"})  # the writer re-read the catalog
+    assert [e["id"] for e in link_idx.get_all(admin, link="after", allow_partial=True)] == [new]
+
+
+def test_backfill_under_concurrent_updates_leaves_no_stale_rows(topo: Topology) -> None:
+    ds = topo.open()
+    ids = ds.put_many([{"link": f"a{i}"} for i in range(400)])
+    ds.add_index(link_idx)
+    stop = threading.Event()
+
+    def churn() -> None:
+        n = 0
+        while not stop.is_set():
+            ds.put({"id": ids[n % 400], "link": f"b{n}"})
+            n += 1
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        bagstore.Cleaner(ds, batch=20, duty=0, settle=0).backfill("index_link")
+    finally:
+        stop.set()
+        t.join()
+    assert consistent(ds)
+
+
+def test_repair_fixes_every_failpoint_crash(topo: Topology) -> None:
+    ds = topo.open(indexes=[link_idx, user_idx, tags_idx])
+    ids = ds.put_many(
+        [{"link": f"l{i}", "user_id": b"u", "tags": ["x", f"t{i}"]} for i in range(20)]
+    )
+    for i, point in enumerate(["put.after_entity", "put.after_index_delete", "put.after_entity"]):
+        with testing.failpoint(point), pytest.raises(testing.SimulatedCrash):
+            ds.put({"id": ids[i], "link": f"new{i}", "user_id": b"v", "tags": ["y"]})
+    with testing.failpoint("delete.after_entity"), pytest.raises(testing.SimulatedCrash):
+        ds.delete(ids[10])
+    report = ds.check()
+    assert report["missing"] > 0 and report["stale"] > 0
+    assert ds.check() == report  # check() changes nothing
+    stats = bagstore.Cleaner(ds).repair()
+    assert stats.written == report["missing"] and stats.removed == report["stale"]
+    assert consistent(ds)
+    assert [e["id"] for e in link_idx.get_all(ds, link="new1")] == [ids[1]]
+
+
+def test_follow_repairs_within_seconds(topo: Topology) -> None:
+    ds = topo.open(indexes=[link_idx])
+    cleaner = bagstore.Cleaner(ds)
+    runner = threading.Thread(target=lambda: cleaner.follow(interval=0.1, margin=1.0))
+    runner.start()
+    try:
+        entity_id = ds.put({"link": "old"})
+        with testing.failpoint("put.after_entity"), pytest.raises(testing.SimulatedCrash):
+            ds.put({"id": entity_id, "link": "new"})
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not consistent(ds):
+            time.sleep(0.1)
+        assert consistent(ds)
+        assert [e["id"] for e in link_idx.get_all(ds, link="new")] == [entity_id]
+    finally:
+        cleaner.stop()
+        runner.join()
+
+
+def _spawn(code: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    env = {**os.environ, **(env_extra or {})}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def test_backfill_killed_by_sigkill_resumes_from_checkpoint(topo: Topology) -> None:
+    ds = topo.open()
+    ds.put_many([{"link": f"l{i}"} for i in range(3000)])
+    ds.add_index(link_idx)
+    proc = _spawn(
+        f"""
+        import bagstore
+        ds = bagstore.Datastore({topo.urls!r})
+        bagstore.Cleaner(ds, batch=50, max_rate=1500, settle=0).backfill("index_link")
+        """
+    )
+    cleaner = bagstore.Cleaner(ds, settle=0)
+    names = [f"backfill:entities:index_link:{s}" for s in range(4)]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if sum(cleaner.checkpoints.get(n) is not None for n in names) >= 4:
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    marks = [cleaner.checkpoints.get(n) for n in names]
+    assert all(m is not None for m in marks), err
+    assert ds.indexes()["index_link"][1] == "building"
+    stats = cleaner.backfill("index_link")
+    assert 0 < stats.entities < 3000  # resumed, not restarted
+    assert ds.indexes()["index_link"][1] == "ready"
+    assert consistent(ds)
+    assert len(link_idx.get_all(ds, link__gte="l")) == 3000
+
+
+def test_writers_killed_by_sigkill_lose_no_acknowledged_write(topo: Topology) -> None:
+    topo.open(indexes=[link_idx, user_idx])  # registers the indexes
+    writer = f"""
+        import os, sys, random
+        import bagstore
+        idx = [bagstore.Index(table="index_link", properties=["link"], shard_on="link"),
+               bagstore.Index(table="index_user_id", properties=["user_id"], shard_on="user_id")]
+        ds = bagstore.Datastore({topo.urls!r}, indexes=idx)
+        mine = []
+        n = 0
+        while True:
+            n += 1
+            if mine and random.random() < 0.3:
+                entity_id = random.choice(mine)
+                link = f"upd{{os.getpid()}}-{{n}}"
+                ds.put({{"id": entity_id, "link": link, "user_id": b"w2", "n": n}})
+            elif mine and random.random() < 0.05:
+                entity_id = mine.pop()
+                ds.delete(entity_id)
+                print("D", entity_id.hex(), flush=True)
+                continue
+            else:
+                link = f"new{{os.getpid()}}-{{n}}"
+                entity_id = ds.put({{"link": link, "user_id": b"w1", "n": n}})
+                mine.append(entity_id)
+            print("P", entity_id.hex(), n, flush=True)
+        """
+    procs = [_spawn(writer) for _ in range(3)]
+    time.sleep(3)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    acked: dict[bytes, int | None] = {}
+    in_flight: set[bytes] = set()  # deletes begun and not acknowledged when killed
+    for p in procs:
+        out, _ = p.communicate()
+        for line in out.splitlines():
+            parts = line.split()
+            if parts[0] == "P" and len(parts) == 3:
+                acked[bytes.fromhex(parts[1])] = int(parts[2])
+            elif parts[0] == "d" and len(parts) == 2:
+                in_flight.add(bytes.fromhex(parts[1]))
+            elif parts[0] == "D" and len(parts) == 2:
+                acked[bytes.fromhex(parts[1])] = None
+                in_flight.discard(bytes.fromhex(parts[1]))
+    assert len(acked) > 20
+    fresh = topo.open()
+    assert len(in_flight) <= len(procs)  # at most one unacknowledged delete each
+    got = fresh.get_many(list(acked))
+    for (entity_id, n), entity in zip(acked.items(), got, strict=True):
+        if n is None:
+            assert entity is None
+        elif entity is None:  # only a delete begun before the kill may have removed it
+            on = [b.name for b in fresh._backends if b.get_bodies(fresh.kind, [entity_id])]
+            assert entity_id in in_flight, f"{entity_id.hex()} (n={n}) lost; on shards {on}"
+        else:  # the acknowledged write, or a later one not yet acknowledged
+            assert entity["n"] >= n
+    stats = bagstore.Cleaner(fresh).repair()
+    assert stats.entities > 0
+    assert consistent(fresh)
+
+
+def test_friendfeed_example_on_two_mariadb_servers(
+    mysql_main: servers.MySQLAddress,
+    mysql_second: servers.MariaDBServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    database = servers.unique_name("ff")
+    monkeypatch.setenv("BAGSTORE_MYSQL_DATABASE", database)
+    try:
+        # As in FriendFeed's post, with only the module name changed.
+        user_id_index = bagstore.Index(
+            table="index_user_id", properties=["user_id"], shard_on="user_id"
+        )
+        link_index = bagstore.Index(table="index_link", properties=["link"], shard_on="link")
+        datastore = bagstore.DataStore(
+            mysql_shards=[f"127.0.0.1:{mysql_main.port}", f"127.0.0.1:{mysql_second.port}"],
+            indexes=[user_id_index],
+        )
+        new_entity = {
+            "id": binascii.a2b_hex("71f0c4d2291844cca2df6f486e96e37c"),
+            "user_id": binascii.a2b_hex("f48b0440ca0c4f66991c4d5f6a078eaf"),
+            "feed_id": binascii.a2b_hex("f48b0440ca0c4f66991c4d5f6a078eaf"),
+            "title": "We just launched a new backend system for FriendFeed!",
+            "link": "http://friendfeed.com/e/71f0c4d2-2918-44cc-a2df-6f486e96e37c",
+            "published": 1235697046,
+            "updated": 1235697046,
+        }
+        datastore.put(new_entity)
+        entity = datastore.get(binascii.a2b_hex("71f0c4d2291844cca2df6f486e96e37c"))
+        entities = user_id_index.get_all(
+            datastore, user_id=binascii.a2b_hex("f48b0440ca0c4f66991c4d5f6a078eaf")
+        )
+        assert entity == new_entity and entities == [new_entity]
+        # The link index arrives later, on a store that already holds data.
+        datastore.close()
+        datastore = bagstore.DataStore(
+            mysql_shards=[f"127.0.0.1:{mysql_main.port}", f"127.0.0.1:{mysql_second.port}"],
+            indexes=[user_id_index, link_index],
+        )
+        bagstore.Cleaner(datastore).backfill("index_link")
+        assert link_index.get_all(datastore, link=new_entity["link"]) == [new_entity]
+        status = datastore.status()
+        assert [s["name"].split("@")[1] for s in status["shards"]] == [
+            f"127.0.0.1:{mysql_main.port}/{database}",
+            f"127.0.0.1:{mysql_second.port}/{database}",
+        ]
+        datastore.close()
+    finally:
+        servers.drop_databases(mysql_main.host, mysql_main.port, [database])
+        servers.drop_databases(mysql_second.host, mysql_second.port, [database])
+
+
+def test_cleaner_refuses_unknown_and_retired_indexes(topo: Topology) -> None:
+    ds = topo.open(indexes=[link_idx])
+    with pytest.raises(bagstore.ConfigurationError, match="no index"):
+        bagstore.Cleaner(ds).backfill("index_nothing")
+    ds.retire_index("index_link")
+    with pytest.raises(bagstore.ConfigurationError, match="retired"):
+        bagstore.Cleaner(ds).backfill("index_link")
+    with pytest.raises(bagstore.ConfigurationError, match="batch"):
+        bagstore.Cleaner(ds, batch=0)
+
+
+def test_stats_are_plain_numbers() -> None:
+    stats = bagstore.CleanStats(written=2, removed=1, entities=3, seconds=0.5)
+    assert json.loads(json.dumps(stats.as_dict())) == {
+        "written": 2,
+        "removed": 1,
+        "entities": 3,
+        "seconds": 0.5,
+    }
+
+
+def test_backfill_waits_for_writers_to_learn_of_the_index(topo: Topology) -> None:
+    writer = topo.open(refresh_interval=0.5)
+    admin = topo.open(refresh_interval=0.5)
+    entity_id = writer.put({"link": "old"})
+    writer.registry()  # the writer's view of the catalog: no index_link
+    admin.add_index(link_idx)
+    # An update by a writer that does not know the index yet ...
+    writer.put({"id": entity_id, "link": "new"})
+    stats = bagstore.Cleaner(admin).backfill("index_link")  # settles 1.5 s first
+    assert stats.seconds < 5
+    assert consistent(admin)
+    assert [e["id"] for e in link_idx.get_all(admin, link="new")] == [entity_id]
+
+
+def test_failed_put_many_keeps_claims_of_entities_it_stored(
+    topo: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    email = bagstore.Index(table="index_email", properties=["email"], unique=True)
+    ds = topo.open(indexes=[email], buckets=8)
+    entities = [{"id": bagstore.new_id(), "email": f"{i}@x"} for i in range(40)]
+    shard_of = ds.placement.shard_of_bucket
+    broken = shard_of[ds._placer.entity_bucket(entities[0], entities[0]["id"])]
+    backend = ds._backends[broken]
+
+    def fail(*args: object, **kwargs: object) -> object:
+        raise bagstore.ShardUnavailable("shard down (injected)", shard=backend.name)
+
+    monkeypatch.setattr(backend, "put_entities", fail)
+    with pytest.raises(bagstore.ShardUnavailable):
+        ds.put_many([dict(e) for e in entities])
+    monkeypatch.undo()
+    stored = [e for e in entities if ds.get(e["id"]) is not None]
+    assert 0 < len(stored) < 40
+    report = ds.check()
+    assert report["missing"] == 0  # stored entities kept their unique rows
+    with pytest.raises(bagstore.DuplicateValue):
+        ds.put({"email": stored[0]["email"]})
+    ds.put({"email": next(e for e in entities if e not in stored)["email"]})

@@ -1,0 +1,380 @@
+"""Secondary indexes: the write path keeps them, queries never return a wrong entity.
+
+Runs on SQLite, four databases on one MariaDB, and four databases over two
+MariaDB servers (``topo3``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+
+import pytest
+
+import bagstore
+from bagstore import testing
+from tests.conftest import Topology
+
+user_idx = bagstore.Index(table="index_user_id", properties=["user_id"], shard_on="user_id")
+user_pub = bagstore.Index(
+    table="index_user_published", properties=["user_id", "published"], shard_on="user_id"
+)
+tags_idx = bagstore.Index(table="index_tags", properties=["tags"])
+name_idx = bagstore.Index(table="index_name", properties=["name"])
+pub_idx = bagstore.Index(table="index_published", properties=["published"])
+email_idx = bagstore.Index(table="index_email", properties=["email"], unique=True)
+ALL = [user_idx, user_pub, tags_idx, name_idx, pub_idx, email_idx]
+
+
+@pytest.fixture
+def ds(topo3: Topology) -> bagstore.Datastore:
+    return topo3.open(indexes=ALL, unique_lease=0.2)
+
+
+def ids_of(entities: list[dict[str, object]]) -> list[bytes]:
+    return [e["id"] for e in entities]  # type: ignore[misc]
+
+
+def assert_consistent(ds: bagstore.Datastore) -> None:
+    report = ds.check()
+    assert (report["missing"], report["stale"]) == (0, 0), report
+
+
+def test_new_indexes_on_empty_kind_are_ready(ds: bagstore.Datastore) -> None:
+    assert {t: s for t, (_, s) in ds.indexes().items()} == {i.table: "ready" for i in ALL}
+
+
+def test_update_moves_entity_between_values(ds: bagstore.Datastore) -> None:
+    entity_id = ds.put({"user_id": b"alice", "name": "x"})
+    assert ids_of(user_idx.get_all(ds, user_id=b"alice")) == [entity_id]
+    ds.put({"id": entity_id, "user_id": b"bob", "name": "x"})
+    assert user_idx.get_all(ds, user_id=b"alice") == []
+    assert ids_of(user_idx.get_all(ds, user_id=b"bob")) == [entity_id]
+    assert_consistent(ds)
+
+
+def test_rewrite_without_index_change_touches_no_index_row(ds: bagstore.Datastore) -> None:
+    entity_id = ds.put({"user_id": b"u", "title": "a"})
+    rows_before = {b.name: b.count("index_user_id") for b in ds._backends}
+    calls: list[object] = []
+    original = ds._indexer.apply
+    ds._indexer.apply = lambda changes, **kw: (calls.append(list(changes)), original(changes, **kw))  # type: ignore[method-assign]
+    ds.put({"id": entity_id, "user_id": b"u", "title": "b"})
+    assert calls == [[]]
+    assert {b.name: b.count("index_user_id") for b in ds._backends} == rows_before
+
+
+def test_delete_empties_every_index(ds: bagstore.Datastore) -> None:
+    entity_id = ds.put(
+        {"user_id": b"u", "published": 5, "tags": ["a", "b"], "name": "n", "email": "e@x"}
+    )
+    assert sum(b.count(i.table) for b in ds._backends for i in ALL) == 7
+    assert ds.delete(entity_id)
+    assert sum(b.count(i.table) for b in ds._backends for i in ALL) == 0
+    assert_consistent(ds)
+
+
+def test_entity_lacking_a_property_has_no_row(ds: bagstore.Datastore) -> None:
+    ds.put({"user_id": b"u"})  # no published: not in the compound index
+    ds.put({"user_id": b"u", "published": None})  # None is never indexed
+    assert len(user_idx.get_all(ds, user_id=b"u")) == 2
+    assert user_pub.get_all(ds, user_id=b"u") == []
+    assert sum(b.count("index_user_published") for b in ds._backends) == 0
+
+
+def test_compound_prefix_range_order_and_pages(ds: bagstore.Datastore) -> None:
+    random.seed(7)
+    pubs = random.sample(range(1000), 60)
+    for p in pubs:
+        ds.put({"user_id": b"u1", "published": p})
+        ds.put({"user_id": b"u2", "published": p})
+    got = user_pub.get_all(ds, user_id=b"u1", published__gte=100, published__lt=900)
+    assert [e["published"] for e in got] == sorted(p for p in pubs if 100 <= p < 900)
+    assert all(e["user_id"] == b"u1" for e in got)
+    # pages: neither skip nor repeat, descending
+    seen: list[int] = []
+    cursor = None
+    while True:
+        page = user_pub.get_all(ds, user_id=b"u1", order="-published", limit=7, cursor=cursor)
+        seen += [e["published"] for e in page]
+        assert len(page) <= 7
+        cursor = page.cursor
+        if cursor is None:
+            break
+    assert seen == sorted(pubs, reverse=True)
+
+
+def test_cursor_of_another_query_is_refused(ds: bagstore.Datastore) -> None:
+    for p in range(5):
+        ds.put({"user_id": b"u1", "published": p})
+    page = user_pub.get_all(ds, user_id=b"u1", limit=2)
+    assert page.cursor is not None
+    with pytest.raises(bagstore.InvalidQuery, match="another query"):
+        user_pub.get_all(ds, user_id=b"u2", limit=2, cursor=page.cursor)
+    with pytest.raises(bagstore.InvalidQuery, match="malformed"):
+        user_pub.get_all(ds, user_id=b"u1", limit=2, cursor="not-a-cursor")
+
+
+def test_in_returns_each_entity_once(ds: bagstore.Datastore) -> None:
+    both = ds.put({"tags": ["a", "b", "c"]})
+    only_a = ds.put({"tags": ["a"]})
+    ds.put({"tags": ["z"]})
+    got = tags_idx.get_all(ds, tags__in=["a", "b", "c"])
+    assert sorted(ids_of(got)) == sorted([both, only_a])
+    paged: list[bytes] = []
+    cursor = None
+    while True:
+        page = tags_idx.get_all(ds, tags__in=["a", "b"], limit=1, cursor=cursor)
+        paged += ids_of(page)
+        cursor = page.cursor
+        if cursor is None:
+            break
+    assert sorted(paged) == sorted([both, only_a])
+
+
+def test_multi_valued_property_indexes_each_element(ds: bagstore.Datastore) -> None:
+    entity_id = ds.put({"tags": ["red", "green", "red"]})
+    assert ids_of(tags_idx.get_all(ds, tags="red")) == [entity_id]
+    assert ids_of(tags_idx.get_all(ds, tags="green")) == [entity_id]
+    assert sum(b.count("index_tags") for b in ds._backends) == 2
+    ds.put({"id": entity_id, "tags": ["green"]})
+    assert tags_idx.get_all(ds, tags="red") == []
+    assert_consistent(ds)
+
+
+def test_equality_is_pythons(ds: bagstore.Datastore) -> None:
+    names = ["Bob", "bob", "bob ", "bób", "BOB", "bo", "bob\x00"]
+    ids = {n: ds.put({"name": n}) for n in names}
+    for n in names:
+        assert ids_of(name_idx.get_all(ds, name=n)) == [ids[n]], n
+    assert [e["name"] for e in name_idx.get_all(ds)] == sorted(names)
+    assert [e["name"] for e in name_idx.get_all(ds, name__gt="bo")] == sorted(
+        n for n in names if n > "bo"
+    )
+
+
+def test_numbers_datetimes_bytes_order_like_python(ds: bagstore.Datastore) -> None:
+    values = [3, 2.5, -1, 10**20, -(10**20), 0.0, 1e-9, 7]
+    for v in values:
+        ds.put({"published": v})
+    got = [e["published"] for e in pub_idx.get_all(ds, published__gte=-(10**30))]
+    assert got == sorted(values)
+    assert [e["published"] for e in pub_idx.get_all(ds, published=3.0)] == [3]
+    t = dt.datetime(2020, 1, 1, tzinfo=dt.UTC)
+    ds.put({"published": t})
+    ds.put({"published": t.astimezone(dt.timezone(dt.timedelta(hours=9)))})
+    assert len(pub_idx.get_all(ds, published=t)) == 2  # the same instant
+
+
+def test_range_stays_within_its_type(ds: bagstore.Datastore) -> None:
+    ds.put({"published": 5})
+    ds.put({"published": "5"})
+    ds.put({"published": True})
+    assert [e["published"] for e in pub_idx.get_all(ds, published__gt=0)] == [5]
+    assert [e["published"] for e in pub_idx.get_all(ds, published__lt="z")] == ["5"]
+
+
+def test_long_values_are_prefixes_and_rechecked(ds: bagstore.Datastore) -> None:
+    base = "x" * 400
+    a = ds.put({"name": base + "a"})
+    b = ds.put({"name": base + "b"})
+    assert ids_of(name_idx.get_all(ds, name=base + "a")) == [a]
+    assert ids_of(name_idx.get_all(ds, name=base + "b")) == [b]
+    assert name_idx.get_all(ds, name=base) == []
+    assert sorted(ids_of(name_idx.get_all(ds, name__gt=base))) == sorted([a, b])
+
+
+def test_unique_index(ds: bagstore.Datastore) -> None:
+    first = ds.put({"email": "a@x"})
+    with pytest.raises(bagstore.DuplicateValue, match="index_email"):
+        ds.put({"email": "a@x", "name": "second"})
+    assert name_idx.get_all(ds, name="second") == []  # nothing of it stored
+    assert ds.count() == 1
+    # the owner may rewrite itself
+    ds.put({"id": first, "email": "a@x", "name": "again"})
+    # once the owner lets go, the value is free
+    ds.put({"id": first, "email": "b@x"})
+    second = ds.put({"email": "a@x"})
+    assert ids_of(email_idx.get_all(ds, email="a@x")) == [second]
+    assert email_idx.get(ds, email="b@x")["id"] == first  # type: ignore[index]
+    with pytest.raises(bagstore.DuplicateValue):
+        ds.put_many([{"email": "c@x"}, {"email": "c@x"}])
+    assert email_idx.get_all(ds, email="c@x") == []
+    assert_consistent(ds)
+
+
+def test_unique_value_left_by_a_crash_can_be_taken_over(ds: bagstore.Datastore) -> None:
+    import time
+
+    owner = ds.put({"email": "a@x"})
+    with testing.failpoint("put.after_entity"), pytest.raises(testing.SimulatedCrash):
+        ds.put({"id": owner, "email": "b@x"})  # the claim on a@x is left behind
+    time.sleep(0.25)  # past the test store's unique_lease
+    taker = ds.put({"email": "a@x"})
+    assert ids_of(email_idx.get_all(ds, email="a@x")) == [taker]
+
+
+def test_unique_value_too_long_is_refused(ds: bagstore.Datastore) -> None:
+    with pytest.raises(bagstore.InvalidEntity, match="unique"):
+        ds.put({"email": "e" * 300})
+    assert ds.count() == 0
+
+
+@pytest.mark.parametrize("point", ["put.after_entity", "put.after_index_delete"])
+def test_crash_during_put_never_yields_a_wrong_entity(ds: bagstore.Datastore, point: str) -> None:
+    entity_id = ds.put({"user_id": b"old", "published": 1, "tags": ["t1"]})
+    with testing.failpoint(point), pytest.raises(testing.SimulatedCrash):
+        ds.put({"id": entity_id, "user_id": b"new", "published": 2, "tags": ["t2"]})
+    assert ds.get(entity_id)["user_id"] == b"new"  # type: ignore[index]
+    # stale rows (old values) are skipped; missing rows (new values) may hide it
+    assert user_idx.get_all(ds, user_id=b"old") == []
+    assert tags_idx.get_all(ds, tags="t1") == []
+    assert user_pub.get_all(ds, user_id=b"old", published__gte=0) == []
+    for got in (user_idx.get_all(ds, user_id=b"new"), tags_idx.get_all(ds, tags="t2")):
+        assert ids_of(got) in ([], [entity_id])
+    report = ds.check()
+    assert report["missing"] > 0
+    if point == "put.after_entity":
+        assert report["stale"] > 0
+
+
+def test_crash_after_delete_never_yields_a_wrong_entity(ds: bagstore.Datastore) -> None:
+    entity_id = ds.put({"user_id": b"u", "tags": ["t"]})
+    with testing.failpoint("delete.after_entity"), pytest.raises(testing.SimulatedCrash):
+        ds.delete(entity_id)
+    assert ds.get(entity_id) is None
+    assert user_idx.get_all(ds, user_id=b"u") == []
+    assert tags_idx.get_all(ds, tags="t") == []
+    report = ds.check()
+    assert report["stale"] == 2 and report["missing"] == 0
+
+
+def test_unknown_failpoint_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown failpoint"), testing.failpoint("put.nowhere"):
+        pass
+
+
+def test_scatter_equals_single_shard_answer(topo3: Topology, tmp_path: object) -> None:
+    four = topo3.open(indexes=[pub_idx, user_pub])
+    one = bagstore.open(f"{tmp_path}/one", indexes=[pub_idx, user_pub], shards=1)
+    try:
+        random.seed(3)
+        entities = [
+            {"id": bagstore.new_id(), "published": random.randrange(200), "user_id": b"u"}
+            for _ in range(150)
+        ]
+        four.put_many([dict(e) for e in entities])
+        one.put_many([dict(e) for e in entities])
+        for kwargs in (
+            {"published__gte": 50},
+            {"published__lt": 120, "order": "-published"},
+            {"published__in": [3, 50, 199, 7]},
+        ):
+            a = pub_idx.get_all(four, **kwargs)  # type: ignore[arg-type]
+            b = pub_idx.get_all(one, **kwargs)  # type: ignore[arg-type]
+            assert ids_of(a) == ids_of(b), kwargs
+            pages: list[bytes] = []
+            cursor = None
+            while True:
+                page = pub_idx.get_all(four, limit=9, cursor=cursor, **kwargs)  # type: ignore[arg-type]
+                pages += ids_of(page)
+                cursor = page.cursor
+                if cursor is None:
+                    break
+            assert pages == ids_of(b), kwargs
+    finally:
+        one.close()
+
+
+def test_query_with_shard_on_reads_one_shard(ds: bagstore.Datastore) -> None:
+    for i in range(40):
+        ds.put({"user_id": b"u%d" % (i % 8), "published": i})
+    for b in ds._backends:
+        b.scans = 0
+    user_pub.get_all(ds, user_id=b"u3", published__gte=0)
+    assert sorted(b.scans for b in ds._backends) == [0, 0, 0, 1]
+    for b in ds._backends:
+        b.scans = 0
+    pub_idx.get_all(ds, published__gte=0)  # no shard_on value: every shard
+    assert [b.scans for b in ds._backends] == [1, 1, 1, 1]
+
+
+def test_ds_query_picks_the_best_index(ds: bagstore.Datastore) -> None:
+    for i in range(10):
+        ds.put({"user_id": b"u", "published": i, "name": f"n{i}"})
+    got = ds.query(user_id=b"u", published__gte=5, order="-published", limit=3)
+    assert [e["published"] for e in got] == [9, 8, 7]
+    assert len(ds.query(name="n4")) == 1
+    with pytest.raises(bagstore.NoIndexForQuery) as exc:
+        ds.query(title="x", published__gt=3)
+    assert "properties=['title', 'published']" in exc.value.suggestion
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"published__like": 3}, "unknown lookup"),
+        ({"published__gte__x": 3}, "unknown lookup"),
+        ({"user_id__in": b"abc"}, "list of values"),
+        ({"user_id": None}, "None is never indexed"),
+        ({"user_id": {"a": 1}}, "cannot index"),
+        ({"published": 3}, "cannot filter"),
+        ({"user_id": b"u", "published__gt": 1, "published__gte": 2}, "one lower"),
+        ({"user_id": b"u", "order": "title"}, "cannot order"),
+        ({"user_id": b"u", "limit": 0}, "limit"),
+        ({"user_id": b"u", "limit": "10"}, "limit"),
+    ],
+)
+def test_bad_queries(ds: bagstore.Datastore, kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(bagstore.InvalidQuery, match=message):
+        user_pub.get_all(ds, **kwargs)  # type: ignore[arg-type]
+
+
+def test_query_on_undeclared_index_says_so(ds: bagstore.Datastore) -> None:
+    other = bagstore.Index(table="index_other", properties=["other"])
+    with pytest.raises(bagstore.NoIndexForQuery, match="not registered"):
+        other.get_all(ds, other=1)
+
+
+def test_index_definition_conflict_is_refused(topo3: Topology) -> None:
+    topo3.open(indexes=[name_idx])
+    changed = bagstore.Index(table="index_name", properties=["name", "published"])
+    with pytest.raises(bagstore.ConfigurationError, match="registered as"):
+        topo3.open(indexes=[changed])
+
+
+def test_new_index_on_existing_data_is_building(topo3: Topology) -> None:
+    ds = topo3.open()
+    ds.put({"name": "old"})
+    ds.add_index(name_idx)
+    assert ds.indexes()["index_name"][1] == "building"
+    with pytest.raises(bagstore.IndexNotReady, match="building"):
+        name_idx.get_all(ds, name="old")
+    with pytest.raises(bagstore.IndexNotReady):
+        ds.query(name="old")
+    new = ds.put({"name": "new"})  # writes maintain it at once
+    assert ids_of(name_idx.get_all(ds, name="new", allow_partial=True)) == [new]
+    assert name_idx.get_all(ds, name="old", allow_partial=True) == []
+    report = ds.check()
+    assert report["indexes"]["index_name"]["missing"] == 1
+
+
+def test_writer_maintains_indexes_it_does_not_declare(topo3: Topology) -> None:
+    declaring = topo3.open(indexes=[name_idx])
+    other = topo3.open()  # knows nothing of index_name in code
+    entity_id = other.put({"name": "z"})
+    assert ids_of(name_idx.get_all(declaring, name="z")) == [entity_id]
+
+
+def test_retire_and_drop(topo3: Topology) -> None:
+    ds = topo3.open(indexes=[name_idx])
+    ds.put({"name": "a"})
+    with pytest.raises(bagstore.ConfigurationError, match="retire it"):
+        ds.drop_index("index_name")
+    ds.retire_index("index_name")
+    with pytest.raises(bagstore.IndexNotReady, match="retired"):
+        name_idx.get_all(ds, name="a")
+    ds.put({"name": "b"})  # retired: no longer written
+    assert sum(b.count("index_name") for b in ds._backends) == 1
+    ds.drop_index("index_name")
+    assert "index_name" not in ds.indexes()

@@ -1,0 +1,327 @@
+"""Scale-out while serving: add a shard, move buckets, fence stale processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import bagstore
+from bagstore.scaleout import Mover
+from bagstore.sharding.hashing import bucket_of
+from tests import servers
+from tests.conftest import Topology, _mysql_topology
+
+link_idx = bagstore.Index(table="index_link", properties=["link"], shard_on="link")
+
+
+class Growth:
+    """Two shards to start with, and the URL of a third on another server."""
+
+    def __init__(self, topo: Topology, extra: str) -> None:
+        self.topo = topo
+        self.extra = extra
+
+    def open(self, **kwargs: object) -> bagstore.Datastore:
+        return self.topo.open(buckets=64, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["sqlite", "mysql2"])
+def growth(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Growth]:
+    if request.param == "sqlite":
+        topo = Topology("sqlite", [f"sqlite:///{tmp_path}/s{i}.db" for i in range(2)])
+        g = Growth(topo, f"sqlite:///{tmp_path}/new.db")
+        yield g
+        topo.close()
+        return
+    main = request.getfixturevalue("mysql_main")
+    second: servers.MariaDBServer = request.getfixturevalue("mysql_second")
+    topo = _mysql_topology("g", [(main, 2)])
+    extra_db = servers.unique_name("gx")
+    g = Growth(topo, f"mysql://root@127.0.0.1:{second.port}/{extra_db}")
+    yield g
+    topo.close()
+    servers.drop_databases(second.host, second.port, [extra_db])
+
+
+def rows_per_shard(ds: bagstore.Datastore, table: str) -> list[int]:
+    return [b.count(table) for b in ds._backends]
+
+
+def assert_placed(ds: bagstore.Datastore) -> None:
+    """Every entity sits on the shard its bucket is placed on, and nowhere else."""
+    shard_of = ds.placement.shard_of_bucket
+    for no, backend in enumerate(ds._backends):
+        for (entity_id,) in backend.fetchall("SELECT id FROM entities"):
+            assert shard_of[bucket_of(bytes(entity_id), 64)] == no
+
+
+def test_add_shard_and_rebalance_under_writes(growth: Growth) -> None:
+    ds = growth.open(indexes=[link_idx])
+    ds.put_many([{"link": f"l{i % 50}", "n": i} for i in range(600)])
+    acked: dict[bytes, int] = {}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    writer_ds = growth.open(indexes=[link_idx], refresh_interval=0.5)
+
+    def writer() -> None:
+        n = 0
+        try:
+            while not stop.is_set():
+                n += 1
+                entity_id = writer_ds.put({"link": f"w{n % 30}", "n": n})
+                acked[entity_id] = n
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        assert ds.add_shard(growth.extra) == 2
+        stats = ds.rebalance(grace=0.6)
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []
+    assert stats.buckets == 21  # 64 buckets: 32+32 -> 22+21+21
+    assert len(acked) > 10
+    fresh = growth.open(indexes=[link_idx])
+    assert [s["buckets"] for s in fresh.status()["shards"]] == [22, 21, 21]
+    got = fresh.get_many(list(acked))
+    assert all(e is not None and e["n"] == acked[e["id"]] for e in got)
+    assert fresh.count() == 600 + len(acked)
+    assert rows_per_shard(fresh, "entities")[2] > 0  # rows on the new server
+    assert_placed(fresh)  # and none left behind on the sources
+    report = fresh.check()
+    assert (report["missing"], report["stale"]) == (0, 0), report
+    assert len(link_idx.get_all(fresh, link__gte="w")) == len(acked)
+
+
+def test_stale_process_is_fenced(growth: Growth) -> None:
+    stale = growth.open(refresh_interval=3600)  # never refreshes by itself
+    admin = growth.open()
+    entity_id = stale.put({"v": 1})
+    bucket = bucket_of(entity_id, 64)
+    source = stale.placement.shard_of_bucket[bucket]
+    admin.add_shard(growth.extra)
+    admin.move_buckets([bucket], to=2, grace=0)
+    assert stale.placement.shard_of_bucket[bucket] == source  # stale view
+    stale.put({"id": entity_id, "v": 2})  # refused by the source, retried
+    assert stale.placement.shard_of_bucket[bucket] == 2
+    assert admin._backends[source].get_bodies("entities", [entity_id]) == {}
+    assert admin.get(entity_id) == {"id": entity_id, "v": 2}
+
+
+def test_frozen_bucket_makes_writers_wait_then_raise(growth: Growth) -> None:
+    ds = growth.open(freeze_wait=0.3)
+    entity_id = ds.put({"v": 1})
+    bucket = bucket_of(entity_id, 64)
+    backend = ds._backends[ds.placement.shard_of_bucket[bucket]]
+    backend.set_bucket_state(bucket, 1)  # FROZEN, as a move does
+    started = time.monotonic()
+    with pytest.raises(bagstore.KeyMigrating):
+        ds.put({"id": entity_id, "v": 2})
+    assert time.monotonic() - started >= 0.3
+    backend.set_bucket_state(bucket, 0)
+    ds.put({"id": entity_id, "v": 2})
+    assert ds.get(entity_id) == {"id": entity_id, "v": 2}
+
+
+def test_move_refuses_bad_targets(growth: Growth) -> None:
+    ds = growth.open()
+    with pytest.raises(bagstore.ConfigurationError, match="no shard"):
+        ds.move_buckets([1], to=7)
+    with pytest.raises(bagstore.ConfigurationError, match="no bucket"):
+        ds.move_buckets([64], to=1)
+    with pytest.raises(bagstore.ConfigurationError, match="already a shard"):
+        ds.add_shard(growth.topo.urls[1])
+
+
+def _spawn(code: str) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize("ending", ["resume", "rollback"])
+def test_move_killed_by_sigkill_can_be_resumed_or_rolled_back(growth: Growth, ending: str) -> None:
+    ds = growth.open(indexes=[link_idx])
+    ids = ds.put_many([{"link": f"l{i}", "n": i} for i in range(2000)])
+    ds.add_shard(growth.extra)
+    buckets = list(range(32))  # all of shard 0's
+    proc = _spawn(
+        f"""
+        import bagstore
+        ds = bagstore.Datastore({growth.topo.urls!r})
+        from bagstore.scaleout import Mover
+        Mover(ds, batch=5, grace=0).move({buckets!r}, to=2)
+        """
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not ds.catalog.moves() and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    unfinished = ds.catalog.moves()
+    assert unfinished, err
+    fresh = growth.open(indexes=[link_idx])
+    assert all(e is not None for e in fresh.get_many(ids))  # readable after the kill
+    mover = Mover(fresh, grace=0)
+    if ending == "resume" or any(p == "switched" for _, _, p in unfinished.values()):
+        mover.resume()
+    else:
+        for bucket in unfinished:
+            mover.rollback(bucket)
+    assert fresh.catalog.moves() == {}
+    fresh.refresh_placement(force=True)
+    assert_placed(fresh)
+    assert [e["n"] for e in fresh.get_many(ids)] == list(range(2000))  # type: ignore[index]
+    fresh.put({"id": ids[0], "link": "after", "n": -1})  # writable again
+    report = fresh.check()
+    assert (report["missing"], report["stale"]) == (0, 0), report
+
+
+def test_new_process_opens_added_shards_from_the_catalog(growth: Growth) -> None:
+    ds = growth.open()
+    ds.add_shard(growth.extra)
+    ds.rebalance(grace=0)
+    entity_ids = ds.put_many([{"n": i} for i in range(100)])
+    again = growth.open()  # its configuration lists only the first two shards
+    assert len(again.shards) == 3
+    assert [e["n"] for e in again.get_many(entity_ids)] == list(range(100))  # type: ignore[index]
+
+
+photo_idx = bagstore.Index(
+    table="photos_by_user", properties=["user_id", "published"], shard_on="user_id"
+)
+
+
+def _buckets_of(ds: bagstore.Datastore, kind: str) -> dict[bytes, int]:
+    out = {}
+    for backend in ds._backends:
+        for entity_id, bucket in backend.fetchall(f"SELECT id, bucket FROM {kind}"):
+            out[bytes(entity_id)] = int(bucket)
+    return out
+
+
+def test_kind_placed_by_a_shard_key(topo: Topology) -> None:
+    photos = topo.open(kind="photos", shard_key="user_id", indexes=[photo_idx], buckets=64)
+    ids = {
+        u: [photos.put({"user_id": u, "published": p}) for p in range(10)]
+        for u in (b"ann", b"bob", b"cy")
+    }
+    where = _buckets_of(photos, "photos")
+    for mine in ids.values():
+        assert len({where[i] for i in mine}) == 1  # a user's photos together
+    fresh = topo.open(kind="photos", shard_key="user_id", indexes=[photo_idx])
+    assert fresh.get(ids[b"bob"][3])["published"] == 3  # type: ignore[index]
+    for b in fresh._backends:
+        b.scans = 0
+    assert len(photo_idx.get_all(fresh, user_id=b"ann", published__gte=5)) == 5
+    assert sum(b.scans for b in fresh._backends) == 1
+    # changing the shard key moves the entity to the new key's bucket
+    moved = ids[b"ann"][0]
+    fresh.put({"id": moved, "user_id": b"cy", "published": 99})
+    assert _buckets_of(fresh, "photos")[moved] == where[ids[b"cy"][0]]
+    assert photos.get(moved) == {"id": moved, "user_id": b"cy", "published": 99}
+    assert len(photo_idx.get_all(photos, user_id=b"ann")) == 9
+    assert fresh.delete(moved) and photos.get(moved) is None
+    report = fresh.check()
+    assert (report["missing"], report["stale"]) == (0, 0)
+    with pytest.raises(bagstore.InvalidEntity, match="placed by 'user_id'"):
+        photos.put({"published": 1})
+    with pytest.raises(bagstore.ConfigurationError, match="placed by"):
+        topo.open(kind="photos", shard_key="album_id")
+
+
+def test_lookup_rows_are_a_hint_not_the_truth(topo: Topology) -> None:
+    photos = topo.open(kind="photos", shard_key="user_id", buckets=64)
+    entity_id = photos.put({"user_id": b"ann"})
+    for backend in photos._backends:  # lose every lookup row
+        backend.execute("DELETE FROM bagstore_ids")
+    fresh = topo.open(kind="photos", shard_key="user_id")
+    assert fresh.get(entity_id) == {"id": entity_id, "user_id": b"ann"}  # searched for
+    assert sum(b.count("bagstore_ids") for b in fresh._backends) == 1  # and recorded again
+
+
+def test_directory_assigns_least_loaded_buckets(topo: Topology) -> None:
+    users = topo.open(kind="posts", shard_key="user_id", shard_map="directory", buckets=64)
+    for u in range(64):
+        users.put({"user_id": u})
+    assert sorted(_buckets_of(users, "posts").values()) == list(range(64))
+
+
+def test_migrate_key_under_writes(topo: Topology) -> None:
+    ds = topo.open(
+        kind="posts",
+        shard_key="user_id",
+        shard_map="directory",
+        buckets=64,
+        refresh_interval=0.3,
+        indexes=[bagstore.Index(table="posts_by_user", properties=["user_id", "n"])],
+    )
+    ids = [ds.put({"user_id": "ann", "n": n}) for n in range(50)]
+    ds.put({"user_id": "bob", "n": 0})
+    old = _buckets_of(ds, "posts")[ids[0]]
+    target = (old + 33) % 64
+    acked: dict[bytes, int] = {}
+    refused = [0]
+    stop = threading.Event()
+
+    def writer() -> None:
+        n = 100
+        while not stop.is_set():
+            try:
+                acked[ds.put({"user_id": "ann", "n": n})] = n
+                n += 1
+            except bagstore.KeyMigrating:
+                refused[0] += 1
+                time.sleep(0.01)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        moved = ds.migrate_key("ann", target)
+    finally:
+        time.sleep(0.1)
+        stop.set()
+        thread.join()
+    assert refused[0] > 0  # writes were told to retry while it moved
+    assert moved >= 50
+    where = _buckets_of(ds, "posts")
+    assert {where[i] for i in [*ids, *acked]} == {target}
+    fresh = topo.open(kind="posts", shard_key="user_id", shard_map="directory")
+    got = fresh.get_many([*ids, *acked])
+    assert all(e is not None for e in got)
+    assert fresh.count() == 51 + len(acked)
+    report = fresh.check()
+    assert (report["missing"], report["stale"]) == (0, 0)
+
+
+def test_shard_keyed_kind_survives_rebalance(growth: Growth) -> None:
+    photos = growth.open(kind="photos", shard_key="user_id")
+    ids = [photos.put({"user_id": f"u{i % 20}", "i": i}) for i in range(200)]
+    photos.add_shard(growth.extra)
+    photos.rebalance(grace=0)
+    fresh = growth.open(kind="photos", shard_key="user_id")
+    assert [e["i"] for e in fresh.get_many(ids)] == list(range(200))  # type: ignore[index]
+    per_shard = [b.count("bagstore_ids") for b in fresh._backends]
+    assert sum(per_shard) == 200 and per_shard[2] > 0
