@@ -6,11 +6,13 @@ import binascii
 import datetime as dt
 import threading
 import zoneinfo
+from pathlib import Path
 
 import pytest
 
 import bagstore
 from bagstore.sharding.hashing import bucket_of
+from tests import servers
 from tests.conftest import Topology
 
 FRIENDFEED_ENTITY = {
@@ -188,3 +190,32 @@ def test_embedded_open_creates_and_reopens(tmp_path: object) -> None:
         assert ds.get(entity_id) == {"x": 1, "id": entity_id}
     with pytest.raises(bagstore.ConfigurationError, match="has 2 shards"):
         bagstore.open(path, shards=3)
+
+
+def test_parallel_fan_out_policy(tmp_path: Path) -> None:
+    urls = [f"sqlite:///{tmp_path}/p_{i}.db" for i in range(3)]
+    with bagstore.Datastore(urls) as ds:
+        assert ds._parallel is False  # embedded files: one after another
+        ids = ds.put_many([{"n": i} for i in range(60)])
+    with bagstore.Datastore(urls, parallel=True) as ds:
+        assert ds._parallel is True
+        assert [e["n"] for e in ds.get_many(ids) if e is not None] == list(range(60))
+    with pytest.raises(bagstore.ConfigurationError, match="parallel must be"):
+        bagstore.Datastore(urls, parallel="yes")  # type: ignore[arg-type]
+    with bagstore.Datastore(urls) as ds:
+        assert ds.count() == 60
+
+
+def test_mysqlclient_driver_round_trips(mysql_main: servers.MySQLAddress) -> None:
+    pytest.importorskip("MySQLdb", reason="mysqlclient is optional (pip install mysqlclient)")
+    name = servers.unique_name("drv")
+    url = f"mysql://{mysql_main.user}@{mysql_main.host}:{mysql_main.port}/{name}?driver=mysqlclient"
+    try:
+        with bagstore.Datastore([url]) as ds:  # connect_timeout is whole seconds there
+            entity = {"b": b"\x00\xff", "s": "bób ", "n": 2**70}
+            entity_id = ds.put(entity)
+            assert ds.get(entity_id) == entity
+    finally:
+        servers.drop_databases(
+            mysql_main.host, mysql_main.port, [name], mysql_main.user, mysql_main.password
+        )

@@ -30,6 +30,7 @@ from bagstore.backends import (
 )
 from bagstore.cache import open_layer
 from bagstore.cache import request as _request
+from bagstore.cache.request import _current as _current_request
 from bagstore.catalog import Catalog, IndexCatalog, Placement, check_stamps
 from bagstore.errors import (
     BagstoreError,
@@ -54,6 +55,7 @@ from bagstore.query import (
     plan_query,
     shard_scans,
 )
+from bagstore.sharding.hashing import bucket_of
 from bagstore.sharding.placer import Placer
 
 __all__ = ["DataStore", "Datastore", "open"]
@@ -104,6 +106,7 @@ class Datastore:
         mysql_database: str | None = None,
         sqlite_synchronous: str = "NORMAL",
         max_workers: int | None = None,
+        parallel: bool | None = None,
         refresh_interval: float = 5.0,
         unique_lease: float = 2.0,
         shard_key: str | None = None,
@@ -137,6 +140,10 @@ class Datastore:
         )
         self._executor: ThreadPoolExecutor | None = None
         self._max_workers = max_workers or min(32, 2 * len(self._backends))
+        if parallel is not None and not isinstance(parallel, bool):
+            raise ConfigurationError(f"parallel must be True, False or None, not {parallel!r}")
+        self._parallel_option = parallel
+        self._parallel = self._fan_out()
         self._closed = False
         self._mysql_defaults = defaults
         self._sqlite_synchronous = sqlite_synchronous
@@ -149,6 +156,7 @@ class Datastore:
             self.placement: Placement = self.catalog.open(names, buckets)
             for name in self.placement.shard_names[len(self._backends) :]:
                 self._backends.append(self._open_shard(name))
+            self._parallel = self._fan_out()
             check_stamps(self.placement, self._backends)
             if self.catalog.read_meta().get("owned_init") != "1":
                 for no, backend in enumerate(self._backends):
@@ -182,11 +190,13 @@ class Datastore:
         self._registry_at = 0.0
         self._tables_ready: set[str] = set()
         self._indexer = Indexer(self, unique_lease)
+        self._direct_reads = False
         try:
             # level 1 always, level 2 when `cache` names one (see bagstore.cache)
             self._cache = open_layer(
                 cache, prefix=cache_prefix or f"bs:{self.placement.store_id}:{self.kind}:"
             )
+            self._direct_reads = self._cache.cache is None and not self._placer.keyed
             declared = self._check_declared(indexes)
             self._load_registry()
             for index in declared:
@@ -220,6 +230,15 @@ class Datastore:
             name, mysql=self._mysql_defaults, sqlite_synchronous=self._sqlite_synchronous
         )
 
+    def _fan_out(self) -> bool:
+        """Whether work over several shards runs in parallel threads: as told by
+        ``parallel``, else only when the shards live on more than one server
+        (threads only add a hand-off to statements that one server or one
+        embedded file would run no faster side by side)."""
+        if self._parallel_option is not None:
+            return self._parallel_option
+        return len({b.server for b in self._backends if b.server is not None}) > 1
+
     def refresh_placement(self, *, force: bool = False) -> Placement:
         """Re-read the bucket placement if the catalog's version moved (at most
         every ``refresh_interval`` seconds unless forced)."""
@@ -234,6 +253,7 @@ class Datastore:
                 backend = self._open_shard(name)
                 backend.ensure_kind(self.kind)
                 self._backends.append(backend)
+            self._parallel = self._fan_out()
             self.placement = placement
             self._shard_of_bucket = placement.shard_of_bucket
             return placement
@@ -315,10 +335,24 @@ class Datastore:
             return self._executor
 
     def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        """``fn`` over items, in parallel threads when there is more than one
-        (in place when called from one of the pool's own threads)."""
-        if len(items) <= 1 or getattr(_worker, "active", False):
+        """``fn`` over items, in parallel threads when there is more than one and
+        the shards are worth it (see ``_fan_out``); in place when called from
+        one of the pool's own threads."""
+        if len(items) <= 1:
             return [fn(x) for x in items]
+        if not self._parallel or getattr(_worker, "active", False):
+            # One after another, but like the threads: every item is tried
+            # before the first error is raised.
+            results: list[R] = []
+            first: Exception | None = None
+            for x in items:
+                try:
+                    results.append(fn(x))
+                except Exception as exc:
+                    first = first or exc
+            if first is not None:
+                raise first
+            return results
         futures = [self._pool().submit(fn, x) for x in items]
         # Wait for every shard before raising: no work may still be running
         # (and committing) after the caller has seen the error.
@@ -571,8 +605,16 @@ class Datastore:
     # -- reads -------------------------------------------------------------------
     def get(self, entity_id: bytes) -> dict[str, Any] | None:
         """The entity with this id, or None."""
-        entity_id = _check_id(entity_id, InvalidQuery)
-        self.refresh_placement()
+        if type(entity_id) is not bytes or len(entity_id) != 16:
+            _check_id(entity_id, InvalidQuery)
+        if time.monotonic() - self._placement_at >= self._refresh_interval:
+            self.refresh_placement()
+        if self._direct_reads and _current_request.get() is None:
+            # No cache level to consult and the id alone names the bucket:
+            # one statement on one shard.
+            bucket = bucket_of(entity_id, self._buckets)
+            body = self._backends[self._shard_of_bucket[bucket]].get_body(self.kind, entity_id)
+            return None if body is None else codec.decode(body)
         return self._cache.get(entity_id, self._fetch_many)
 
     def _fetch_stored(self, entity_id: bytes) -> Stored | None:

@@ -160,7 +160,7 @@ class Dialect:
     def upsert_entities_sql(self, kind: str, rows: int) -> str:
         raise NotImplementedError
 
-    def select_bodies_sql(self, kind: str, n: int, *, lock: bool = False) -> str:
+    def select_bodies_sql(self, kind: str, n: int, lock: bool = False) -> str:
         sql = (
             f"SELECT id, body, version, updated FROM {self.q(kind)} WHERE id"
             f"{' = ' + self.param if n == 1 else ' IN (' + self.params(n) + ')'}"
@@ -205,12 +205,26 @@ class Backend(BucketOps, IndexOps):
     #: Most rows one multi-row statement may carry (bound-variable limits).
     max_statement_rows: int = 1000
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, server: str | None = None) -> None:
         self.name = name
+        #: The database server this shard lives on (``host:port``), or None for
+        #: an embedded database: statements to shards on different servers are
+        #: worth sending from parallel threads, the others are not.
+        self.server = server
         self._schema_lock = threading.Lock()
         self._ready_kinds: set[str] = set()
         #: Index scans sent to this shard (tests count them to see routing).
         self.scans = 0
+        self._sql_memo: dict[tuple[Any, ...], str] = {}
+
+    def sql(self, builder: str, *args: Any) -> str:
+        """``self.dialect.<builder>(*args)``, built once per process: the hot
+        statements' text is the same for every call with the same shape."""
+        key = (builder, *args)
+        text = self._sql_memo.get(key)
+        if text is None:
+            text = self._sql_memo[key] = getattr(self.dialect, builder)(*args)
+        return text
 
     # -- connections ---------------------------------------------------------
     def _acquire(self) -> Any:
@@ -240,18 +254,12 @@ class Backend(BucketOps, IndexOps):
         with translate_errors(self):
             conn = self._acquire()
         try:
-            with translate_errors(self):
-                yield conn
+            yield conn
         except BaseException as exc:
-            cause = exc.__cause__ if isinstance(exc, BackendError) else exc
-            if isinstance(exc, ShardUnavailable) or (
-                cause is not None and self.is_retryable(cause)
-            ):
-                self._discard(conn)
-            else:
-                self._rollback_quietly(conn)
-                self._release(conn)
-            raise
+            error = self._settle(conn, exc)
+            if error is exc:
+                raise
+            raise error from exc
         else:
             self._release(conn)
 
@@ -262,20 +270,64 @@ class Backend(BucketOps, IndexOps):
             self._discard(conn)
             raise
 
-    def run(self, work: Callable[[Any], T], *, attempts: int = 3) -> T:
-        """Run ``work(connection)``; retry on a fresh connection when the failure
+    def run(self, work: Callable[..., T], *args: Any, attempts: int = 3) -> T:
+        """Run ``work(connection, *args)``; retry on a fresh connection when the failure
         was a dropped connection or a deadlock (``work`` must be idempotent,
         which every bagstore unit of work is: a transaction that did not
-        commit, or a read)."""
-        for attempt in range(attempts):
+        commit, or a read).
+
+        The same contract as :meth:`connection`, written out without context
+        managers: this is every statement's path, and a point read on SQLite
+        costs only a few microseconds in all.
+        """
+        for attempt in range(1, attempts + 1):
             try:
-                with self.connection() as conn:
-                    return work(conn)
-            except BackendError as exc:
-                cause = exc.__cause__
-                if attempt + 1 >= attempts or cause is None or not self.is_retryable(cause):
+                conn = self._acquire()
+            except BagstoreError:
+                raise
+            except self.driver_errors as exc:
+                raise self.classify(exc)(f"shard {self.name}: {exc}", shard=self.name) from exc
+            try:
+                result = work(conn, *args)
+            except BaseException as exc:
+                error = self._settle(conn, exc)
+                cause = error.__cause__
+                if (
+                    attempt < attempts
+                    and isinstance(error, BackendError)
+                    and cause is not None
+                    and self.is_retryable(cause)
+                ):
+                    continue
+                if error is exc:
                     raise
+                raise error from exc
+            self._release(conn)
+            return result
         raise AssertionError("unreachable")
+
+    def _settle(self, conn: Any, exc: BaseException) -> BaseException:
+        """After ``exc`` ended a unit of work on ``conn``: discard the connection
+        if it is broken, else roll back and give it back; return the error to
+        raise (a driver error translated, anything else as it is)."""
+        error: BaseException = exc
+        if isinstance(exc, self.driver_errors) and not isinstance(exc, BagstoreError):
+            error = self.classify(exc)(f"shard {self.name}: {exc}", shard=self.name)
+            error.__cause__ = exc
+        cause = error.__cause__ if isinstance(error, BackendError) else error
+        if isinstance(error, ShardUnavailable) or (cause is not None and self.is_retryable(cause)):
+            self._discard(conn)
+            return error
+        try:
+            self._rollback_quietly(conn)
+        except self.driver_errors as rollback_exc:  # the connection is gone too
+            failed = self.classify(rollback_exc)(
+                f"shard {self.name}: {rollback_exc}", shard=self.name
+            )
+            failed.__cause__ = rollback_exc
+            return failed
+        self._release(conn)
+        return error
 
     def _begin(self, cur: Any) -> None:
         cur.execute(self.dialect.begin_write)
@@ -394,11 +446,16 @@ class Backend(BucketOps, IndexOps):
                 self._executescript(self.dialect.create_entities_sql(kind))
                 self._ready_kinds.add(kind)
 
+    def get_body(self, kind: str, entity_id: bytes) -> bytes | None:
+        """One entity's encoded body on this shard, or None: one statement."""
+        row = self.run(_fetchone, self.sql("select_bodies_sql", kind, 1), (entity_id,))
+        return None if row is None else bytes(row[1])
+
     def get_bodies(self, kind: str, ids: Sequence[bytes]) -> dict[bytes, Stored]:
         """``{id: Stored(body, version, updated)}`` of the ids present on this shard."""
         if not ids:
             return {}
-        sql = self.dialect.select_bodies_sql(kind, len(ids))
+        sql = self.sql("select_bodies_sql", kind, len(ids))
         return {
             bytes(r[0]): Stored(bytes(r[1]), int(r[2]), int(r[3])) for r in self.fetchall(sql, ids)
         }
@@ -428,7 +485,6 @@ class Backend(BucketOps, IndexOps):
         they replaced (read in the same transaction, rows locked).  With
         ``read_old``, ``versions`` (if given) is filled with each row's new
         version (the one read + 1, or 1), for the cache's markers."""
-        d = self.dialect
 
         def work(conn: Any) -> dict[bytes, bytes]:
             if not read_old and len(rows) == 1:
@@ -437,7 +493,8 @@ class Backend(BucketOps, IndexOps):
                 cur = conn.cursor()
                 try:
                     cur.execute(
-                        d.fenced_upsert_sql(kind), [r.id, r.bucket, r.updated, r.body, r.bucket]
+                        self.sql("fenced_upsert_sql", kind),
+                        [r.id, r.bucket, r.updated, r.body, r.bucket],
                     )
                     written = cur.rowcount
                 finally:
@@ -452,7 +509,7 @@ class Backend(BucketOps, IndexOps):
                     ids = [r.id for r in rows]
                     for start in range(0, len(ids), 1000):
                         part = ids[start : start + 1000]
-                        cur.execute(d.select_bodies_sql(kind, len(part), lock=True), part)
+                        cur.execute(self.sql("select_bodies_sql", kind, len(part), True), part)
                         for r in cur.fetchall():
                             old[bytes(r[0])] = bytes(r[1])
                             if versions is not None:
@@ -461,7 +518,7 @@ class Backend(BucketOps, IndexOps):
                         for r in rows:
                             versions.setdefault(r.id, 1)
                 for chunk in self._chunks(rows):
-                    cur.execute(d.upsert_entities_sql(kind, len(chunk)), _flatten(chunk))
+                    cur.execute(self.sql("upsert_entities_sql", kind, len(chunk)), _flatten(chunk))
             return old
 
         return self.run(work)
@@ -473,7 +530,7 @@ class Backend(BucketOps, IndexOps):
         states: dict[int, int] = {}
         for start in range(0, len(wanted), 1000):
             part = wanted[start : start + 1000]
-            cur.execute(self.dialect.owned_sql(len(part)), part)
+            cur.execute(self.sql("owned_sql", len(part)), part)
             states.update({int(b): int(s) for b, s in cur.fetchall()})
         error = ownership_error(self.name, wanted, states)
         if error is not None:
@@ -491,7 +548,6 @@ class Backend(BucketOps, IndexOps):
         """Delete ids (of ``buckets``, which this shard must own); return ``{id:
         old body}`` of those that existed (the body is ``None`` unless ``read_old``).
         ``versions`` (if given) is filled with the deleted rows' versions."""
-        d = self.dialect
 
         def work(conn: Any) -> dict[bytes, bytes | None]:
             with self.transaction(conn) as cur:
@@ -499,14 +555,14 @@ class Backend(BucketOps, IndexOps):
                 found: dict[bytes, bytes | None] = {}
                 for start in range(0, len(ids), 1000):
                     part = list(ids[start : start + 1000])
-                    cur.execute(d.select_bodies_sql(kind, len(part), lock=True), part)
+                    cur.execute(self.sql("select_bodies_sql", kind, len(part), True), part)
                     rows = cur.fetchall()
                     for r in rows:
                         found[bytes(r[0])] = bytes(r[1]) if read_old else None
                         if versions is not None:
                             versions[bytes(r[0])] = int(r[2])
                     if rows:
-                        cur.execute(d.delete_entities_sql(kind, len(part)), part)
+                        cur.execute(self.sql("delete_entities_sql", kind, len(part)), part)
                 return found
 
         if not ids:
@@ -563,6 +619,15 @@ class Backend(BucketOps, IndexOps):
 
     def count(self, table: str) -> int:
         return int(self.fetchall(self.dialect.count_sql(table))[0][0])
+
+
+def _fetchone(conn: Any, sql: str, params: Sequence[Any]) -> Any:
+    cur = conn.cursor()
+    try:
+        cur.execute(sql, params)
+        return cur.fetchone()
+    finally:
+        cur.close()
 
 
 def _flatten(rows: Sequence[EntityRow]) -> list[Any]:

@@ -14,6 +14,7 @@ The largest body and the largest multi-row statement follow from the server's
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -213,7 +214,7 @@ class MySQLBackend(Backend):
         read_timeout: float | None = None,
     ) -> None:
         check_identifier(database, "MySQL database name")
-        super().__init__(f"mysql://{user}@{host}:{port}/{database}")
+        super().__init__(f"mysql://{user}@{host}:{port}/{database}", server=f"{host}:{port}")
         self.host, self.port, self.user, self.database = host, port, user, database
         self._password = password
         self._driver = _load_driver(driver)
@@ -244,6 +245,10 @@ class MySQLBackend(Backend):
         }
         if self._read_timeout is not None:
             args["read_timeout"] = self._read_timeout
+        if self._driver.__name__ == "MySQLdb":  # mysqlclient takes whole seconds only
+            for key in ("connect_timeout", "read_timeout"):
+                if key in args:
+                    args[key] = max(1, math.ceil(args[key]))
         if database is not None:
             args["database"] = database
         return args
