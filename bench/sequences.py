@@ -152,7 +152,7 @@ class Counter:
             def __getattr__(self, name: str) -> Any:
                 return getattr(self._conn, name)
 
-        backend.run = lambda work, **kw: run(lambda conn: work(Conn(conn)), **kw)
+        backend.run = lambda work, *a, **kw: run(lambda conn: work(Conn(conn), *a), **kw)
 
 
 def works(env: Env, threads: int) -> list[Work]:

@@ -501,3 +501,26 @@ def test_index_values_of_lists(values: list[object]) -> None:
     assert len(set(keys_got)) == len(keys_got)
     wanted = {encode_value(v) for v in values if v is not None and not isinstance(v, list)}
     assert set(keys_got) == wanted
+
+
+class _Text(str):
+    """A str subclass: encoded like str (the exact-type fast path must agree)."""
+
+
+@given(
+    st.lists(
+        st.one_of(numbers, all_text, st.binary(), st.booleans(), st.none(), naive_datetimes),
+        max_size=8,
+    )
+)
+def test_index_keys_are_the_keys_of_index_values(values: list[object]) -> None:
+    expected = [keys.encode_value(v) for v in keys.index_values(values)]
+    assert keys.index_keys(values) == expected
+    for v in values:
+        single = keys.index_keys(v)
+        assert single == ([] if v is None else [keys.encode_value(v)])
+
+
+def test_subclasses_of_str_and_bytes_encode_as_their_base() -> None:
+    assert keys.encode_value(_Text("bób")) == keys.encode_value("bób")
+    assert keys.index_keys({"a": 1}) == [] and keys.index_keys([[1], None]) == []

@@ -150,10 +150,10 @@ class Index:
         """
         per_property: list[list[bytes]] = []
         for p in self.properties:
-            values = keys.index_values(entity.get(p))
-            if not values:
+            encoded = keys.index_keys(entity.get(p))
+            if not encoded:
                 return set()
-            per_property.append([keys.encode_value(v) for v in values])
+            per_property.append(encoded)
         count = 1
         for vs in per_property:
             count *= len(vs)

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 from datetime import UTC, datetime, timedelta
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from bagstore.errors import InvalidQuery
 
@@ -93,6 +93,8 @@ _AWARE = 0x30
 _NAIVE = 0x40
 _STR = 0x50
 _BYTES = 0x60
+_STR_TAG = bytes((_STR,))
+_BYTES_TAG = bytes((_BYTES,))
 
 _NEG_INF = b"\x20\x00"
 _NEGATIVE = b"\x20\x01"
@@ -141,6 +143,11 @@ def encode_value(v: object) -> bytes:
         >>> encode_value(True).hex(), encode_value(-0.0) == encode_value(0)
         ('1001', True)
     """
+    t = type(v)  # the common exact types first; subclasses take the long way
+    if t is str:
+        return _STR_TAG + cast(str, v).encode("utf-8", "surrogatepass")
+    if t is bytes:
+        return _BYTES_TAG + cast(bytes, v)
     if isinstance(v, bool):
         return bytes((_BOOL, 1 if v else 0))
     if isinstance(v, int):
@@ -248,6 +255,30 @@ def index_values(v: object) -> list[object]:
     return out
 
 
+def index_keys(v: object) -> list[bytes]:
+    """The encoded keys of :func:`index_values` of ``v`` (each value encoded once).
+
+    >>> index_keys([3, "a", 3.0]) == [encode_value(3), encode_value("a")]
+    True
+    """
+    if not isinstance(v, list):
+        try:
+            return [encode_value(v)]
+        except UnindexableValue:
+            return []
+    seen: set[bytes] = set()
+    out: list[bytes] = []
+    for item in v:
+        try:
+            key = encode_value(item)
+        except UnindexableValue:
+            continue
+        if key not in seen:
+            seen.add(key)
+            out.append(key)
+    return out
+
+
 def _encode_float(v: float) -> bytes:
     if math.isnan(v):
         return _NAN
@@ -288,8 +319,8 @@ def _mantissa(p: int) -> bytes:
     if nbits == 0:
         return b""
     groups = -(-nbits // 7)
-    bits = format(p ^ (1 << nbits), f"0{nbits}b").ljust(groups * 7, "0")
-    return bytes(0x80 | int(bits[i : i + 7], 2) for i in range(0, len(bits), 7))
+    rest = (p ^ (1 << nbits)) << (groups * 7 - nbits)  # padded with 0 bits on the right
+    return bytes(0x80 | ((rest >> (7 * i)) & 0x7F) for i in range(groups - 1, -1, -1))
 
 
 def _encode_datetime(v: datetime) -> bytes:

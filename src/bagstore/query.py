@@ -64,9 +64,8 @@ class Filter:
 
     def matches(self, entity: Mapping[str, Any]) -> bool:
         """Whether any of the entity's values for ``prop`` satisfies the filter."""
-        for v in keys.index_values(entity.get(self.prop)):
-            k = keys.encode_value(v)
-            op = self.op
+        op = self.op
+        for k in keys.index_keys(entity.get(self.prop)):
             if op in ("eq", "in"):
                 if k in self.keys:
                     return True
@@ -293,10 +292,7 @@ class _Stream:
 def stale(plan: Plan, row: tuple[bytes, ...], entity: Mapping[str, Any]) -> bool:
     """True if the row holds order-column values the entity no longer has."""
     for stored, prop in zip(row, plan.order_props, strict=False):
-        if not any(
-            keys.truncate(keys.encode_value(v))[0] == stored
-            for v in keys.index_values(entity.get(prop))
-        ):
+        if not any(k[: keys.KEY_LIMIT] == stored for k in keys.index_keys(entity.get(prop))):
             return True
     return False
 
