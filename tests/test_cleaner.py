@@ -85,6 +85,39 @@ def test_backfill_under_concurrent_updates_leaves_no_stale_rows(topo: Topology) 
     assert consistent(ds)
 
 
+def test_backfill_does_not_chase_entities_added_while_it_runs(topo: Topology) -> None:
+    ds = topo.open()
+    ds.put_many([{"link": f"a{i}"} for i in range(400)])
+    ds.add_index(link_idx)
+    stop = threading.Event()
+    added = [0]
+
+    def insert() -> None:  # new entities: the writer indexes them itself
+        deadline = time.monotonic() + 5  # a backfill that chases them ends too
+        while not stop.is_set() and time.monotonic() < deadline:
+            ds.put({"link": f"new{added[0]}"})
+            added[0] += 1
+
+    t = threading.Thread(target=insert)
+    t.start()
+    try:
+        time.sleep(0.05)
+        before = added[0]
+        # Slowed to ~1 s so that the writer adds hundreds meanwhile.
+        cleaner = bagstore.Cleaner(ds, batch=10, duty=0, settle=0, max_rate=400)
+        stats = cleaner.backfill("index_link")
+        after = added[0]
+    finally:
+        stop.set()
+        t.join()
+    assert after - before >= 100  # the writer kept adding while it ran
+    # It scans what there was when it started (and a few puts that land while
+    # it reads where each shard ends), not what came while it ran.
+    assert stats.entities - 400 - before <= (after - before) / 2
+    assert ds.indexes()["index_link"][1] == "ready"
+    assert consistent(ds)
+
+
 def test_repair_fixes_every_failpoint_crash(topo: Topology) -> None:
     ds = topo.open(indexes=[link_idx, user_idx, tags_idx])
     ids = ds.put_many(
@@ -200,9 +233,14 @@ def test_writers_killed_by_sigkill_lose_no_acknowledged_write(topo: Topology) ->
         p.send_signal(signal.SIGKILL)
     acked: dict[bytes, int | None] = {}
     in_flight: set[bytes] = set()  # deletes begun and not acknowledged when killed
-    for p in procs:
+    history: dict[bytes, list[str]] = {}
+    for k, p in enumerate(procs):
         out, _ = p.communicate()
         for line in out.splitlines():
+            if len(line.split()) >= 2:
+                history.setdefault(bytes.fromhex(line.split()[1][:32].ljust(32, "0")), []).append(
+                    f"writer {k}: {line}"
+                )
             parts = line.split()
             if parts[0] == "P" and len(parts) == 3:
                 acked[bytes.fromhex(parts[1])] = int(parts[2])
@@ -220,7 +258,9 @@ def test_writers_killed_by_sigkill_lose_no_acknowledged_write(topo: Topology) ->
             assert entity is None
         elif entity is None:  # only a delete begun before the kill may have removed it
             on = [b.name for b in fresh._backends if b.get_bodies(fresh.kind, [entity_id])]
-            assert entity_id in in_flight, f"{entity_id.hex()} (n={n}) lost; on shards {on}"
+            assert entity_id in in_flight, (
+                f"{entity_id.hex()} (n={n}) lost; on shards {on}; {history.get(entity_id)}"
+            )
         else:  # the acknowledged write, or a later one not yet acknowledged
             assert entity["n"] >= n
     stats = bagstore.Cleaner(fresh).repair()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import random
+from typing import Any
 
 import pytest
 
@@ -378,3 +379,35 @@ def test_retire_and_drop(topo3: Topology) -> None:
     assert sum(b.count("index_name") for b in ds._backends) == 1
     ds.drop_index("index_name")
     assert "index_name" not in ds.indexes()
+
+
+def test_shards_sharing_a_server_are_read_in_one_statement(
+    topo3: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = topo3.open(indexes=[pub_idx])
+    ids = ds.put_many([{"published": i} for i in range(60)])
+    assert len({ds.placement.shard_of_bucket[ds.bucket_of_id(i) or 0] for i in ids}) == 4
+    statements: list[str] = []
+    for b in ds._backends:
+        original = b.fetchall
+
+        def counting(sql: str, params: Any = (), _original: Any = original) -> Any:
+            statements.append(sql)
+            return _original(sql, params)
+
+        monkeypatch.setattr(b, "fetchall", counting)
+    # SQLite files: one statement per shard; MariaDB: one per server.
+    groups = len({b.together or id(b) for b in ds._backends})
+    assert groups == {"sqlite": 4, "t": 1, "t2": 2}[topo3.name]
+    got = ds.get_many(list(reversed(ids)))
+    assert [e["published"] for e in got if e is not None] == list(range(59, -1, -1))
+    assert len(statements) == groups
+    statements.clear()
+    for b in ds._backends:
+        b.scans = 0
+    page = pub_idx.get_all(ds, published__gte=10, order="-published", limit=25)
+    assert [e["published"] for e in page] == list(range(59, 34, -1))
+    assert [b.scans for b in ds._backends] == [1, 1, 1, 1]  # every shard scanned once
+    assert len(statements) == 2 * groups  # the scans, then the bodies
+    rest = pub_idx.get_all(ds, published__gte=10, order="-published", cursor=page.cursor)
+    assert [e["published"] for e in rest] == list(range(34, 9, -1))

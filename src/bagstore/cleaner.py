@@ -258,7 +258,9 @@ class Cleaner:
         if progress is not None:
             progress(0, total)
         stats = self._parallel(
-            lambda s: self._backfill_shard(index, s, names[s], starts[s], advance, len(shards)),
+            lambda s: self._backfill_shard(
+                index, s, names[s], starts[s], ends[s], advance, len(shards)
+            ),
             shards,
         )
         stats.seconds = time.monotonic() - started
@@ -280,13 +282,18 @@ class Cleaner:
         shard: int,
         checkpoint: str,
         after: int,
+        end: int,
         advance: Callable[[int], None],
         shards: int,
     ) -> CleanStats:
+        """Fill the index from one shard's entities up to ``end``, the last
+        ``added_id`` when the backfill started: every entity added later was
+        written by a writer that already maintained the index, so chasing them
+        would only keep a busy store's backfill from ever finishing."""
         backend = self.ds._backends[shard]
         throttle = self._throttle(shards)
         stats = CleanStats()
-        while not self._stop.is_set():
+        while after < end and not self._stop.is_set():
             t0 = time.monotonic()
             batch = backend.scan_entities(self.ds.kind, after, self.batch)
             if not batch:

@@ -28,6 +28,8 @@ from bagstore.backends import (
     check_identifier,
     open_backend,
 )
+from bagstore.backends.base import TOGETHER_MAX_IDS, get_bodies_together
+from bagstore.backends.indexsql import scan_index_together
 from bagstore.cache import open_layer
 from bagstore.cache import request as _request
 from bagstore.cache.request import _current as _current_request
@@ -630,14 +632,54 @@ class Datastore:
         return found
 
     def _fetch_at(self, where: Mapping[bytes, int]) -> dict[bytes, Stored]:
-        """Bodies of ids whose buckets are known; one query per shard, in parallel."""
+        """Bodies of ids whose buckets are known: one query per shard, or one for
+        all the shards that share a server and login (see ``_together``)."""
         groups: dict[int, list[bytes]] = defaultdict(list)
         for entity_id, bucket in where.items():
             groups[self._shard_of_bucket[bucket]].append(entity_id)
+        small = len(where) <= TOGETHER_MAX_IDS
+
+        def read(job: list[int]) -> dict[bytes, Stored]:
+            if len(job) == 1:
+                return self._backends[job[0]].get_bodies(self.kind, groups[job[0]])
+            return get_bodies_together(self.kind, [(self._backends[k], groups[k]) for k in job])
+
         found: dict[bytes, Stored] = {}
-        for part in self._per_shard(groups, lambda b, part: b.get_bodies(self.kind, part)).values():
+        jobs = self._together(list(groups)) if small else [[k] for k in groups]
+        for part in self._map(read, jobs):
             found.update(part)
         return found
+
+    def _together(self, shards: list[int]) -> list[list[int]]:
+        """Shards grouped so that each group can be read in one statement
+        (databases of one server reached with one login); others alone."""
+        if len(shards) <= 1:
+            return [shards] if shards else []
+        jobs: dict[Any, list[int]] = {}
+        for k in shards:
+            key = self._backends[k].together
+            jobs.setdefault(key if key is not None else ("alone", k), []).append(k)
+        return list(jobs.values())
+
+    def fetch_streams(self, streams: list[_Stream]) -> None:
+        """query.Source: the first page of every shard's scan, one statement per
+        group of shards that can be read together."""
+        groups: dict[Any, list[_Stream]] = {}
+        for s in streams:
+            key = s.backend.together
+            groups.setdefault(key if key is not None else id(s), []).append(s)
+
+        def read(job: list[_Stream]) -> None:
+            if len(job) == 1:
+                job[0].fetch()
+                return
+            for s in job:
+                s.scan.limit = s.page
+            pages = scan_index_together([(s.backend, s.scan) for s in job])
+            for s, rows in zip(job, pages, strict=True):
+                s.accept(rows)
+
+        self._map(read, list(groups.values()))
 
     def _delete_at(
         self,

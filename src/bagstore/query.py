@@ -274,7 +274,10 @@ class _Stream:
 
     def fetch(self) -> None:
         self.scan.limit = self.page
-        rows = self.backend.scan_index(self.scan)
+        self.accept(self.backend.scan_index(self.scan))
+
+    def accept(self, rows: list[tuple[bytes, ...]]) -> None:
+        """Take the next page of rows (read with ``scan.limit == page``)."""
         self.rows = rows
         self.done = len(rows) < self.page
         if rows:
@@ -302,6 +305,8 @@ class Source(Protocol):
 
     def scan_streams(self, plan: Plan, page: int) -> list[_Stream]: ...
 
+    def fetch_streams(self, streams: list[_Stream]) -> None: ...
+
     def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]: ...
 
 
@@ -318,12 +323,7 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
     streams = source.scan_streams(plan, page)
     for s in streams:
         s.scan.after = after
-    source_map = getattr(source, "_map", None)
-    if source_map is not None and len(streams) > 1:
-        source_map(lambda s: s.fetch(), streams)
-    else:
-        for s in streams:
-            s.fetch()
+    source.fetch_streams(streams)
     merged = heapq.merge(*streams, reverse=plan.desc)
     results: list[dict[str, Any]] = []
     seen: set[bytes] = set()

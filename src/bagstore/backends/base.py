@@ -25,11 +25,14 @@ from bagstore.errors import BackendError, BagstoreError, ConfigurationError, Sha
 
 __all__ = [
     "IDENTIFIER",
+    "TOGETHER_MAX_IDS",
     "Backend",
     "Dialect",
     "EntityRow",
     "Stored",
+    "can_read_together",
     "check_identifier",
+    "get_bodies_together",
     "translate_errors",
 ]
 
@@ -160,12 +163,20 @@ class Dialect:
     def upsert_entities_sql(self, kind: str, rows: int) -> str:
         raise NotImplementedError
 
-    def select_bodies_sql(self, kind: str, n: int, lock: bool = False) -> str:
+    def select_bodies_sql(
+        self, kind: str, n: int, lock: bool = False, schema: str | None = None
+    ) -> str:
+        table = self.q(kind) if schema is None else f"{self.q(schema)}.{self.q(kind)}"
         sql = (
-            f"SELECT id, body, version, updated FROM {self.q(kind)} WHERE id"
+            f"SELECT id, body, version, updated FROM {table} WHERE id"
             f"{' = ' + self.param if n == 1 else ' IN (' + self.params(n) + ')'}"
         )
         return sql + self.for_update if lock else sql
+
+    def union_all_sql(self, parts: Sequence[str]) -> str:
+        """One statement returning the rows of every part, each in parentheses
+        (so that a part may have its own ORDER BY and LIMIT)."""
+        return " UNION ALL ".join(f"({p})" for p in parts)
 
     def delete_entities_sql(self, kind: str, n: int) -> str:
         cond = f" = {self.param}" if n == 1 else f" IN ({self.params(n)})"
@@ -211,6 +222,12 @@ class Backend(BucketOps, IndexOps):
         #: an embedded database: statements to shards on different servers are
         #: worth sending from parallel threads, the others are not.
         self.server = server
+        #: Shards with the same (not None) ``together`` key are databases that one
+        #: connection of any of them can read (same server, same login): their
+        #: reads can share one statement (see :func:`get_bodies_together`).
+        self.together: tuple[Any, ...] | None = None
+        #: This shard's database name, qualifying its tables in such a statement.
+        self.schema: str | None = None
         self._schema_lock = threading.Lock()
         self._ready_kinds: set[str] = set()
         #: Index scans sent to this shard (tests count them to see routing).
@@ -619,6 +636,33 @@ class Backend(BucketOps, IndexOps):
 
     def count(self, table: str) -> int:
         return int(self.fetchall(self.dialect.count_sql(table))[0][0])
+
+
+#: At most this many ids go into one statement over several shards.
+TOGETHER_MAX_IDS = 2000
+
+
+def can_read_together(backends: Sequence[Backend]) -> bool:
+    """Whether these (distinct) shards can be read in one statement."""
+    key = backends[0].together
+    return len(backends) > 1 and key is not None and all(b.together == key for b in backends)
+
+
+def get_bodies_together(
+    kind: str, parts: Sequence[tuple[Backend, Sequence[bytes]]]
+) -> dict[bytes, Stored]:
+    """Bodies of ids on several shards that :func:`can_read_together`, in one
+    statement on the first shard's connection (one round trip instead of one
+    per shard); each part reads only its own database."""
+    lead = parts[0][0]
+    d = lead.dialect
+    selects: list[str] = []
+    params: list[Any] = []
+    for backend, ids in parts:
+        selects.append(d.select_bodies_sql(kind, len(ids), schema=backend.schema))
+        params.extend(ids)
+    rows = lead.fetchall(d.union_all_sql(selects), params)
+    return {bytes(r[0]): Stored(bytes(r[1]), int(r[2]), int(r[3])) for r in rows}
 
 
 def _fetchone(conn: Any, sql: str, params: Sequence[Any]) -> Any:

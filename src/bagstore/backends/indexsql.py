@@ -18,7 +18,7 @@ from bagstore.errors import DuplicateValue
 if TYPE_CHECKING:
     from bagstore.backends.base import Dialect
 
-__all__ = ["IndexOps", "IndexRow", "Scan"]
+__all__ = ["IndexOps", "IndexRow", "Scan", "scan_index_together"]
 
 ENTITY_ID = "entity_id"
 BUCKET = "bagstore_bucket"
@@ -59,8 +59,12 @@ class Scan:
         return (*self.columns[len(self.eq) :], ENTITY_ID)
 
 
-def scan_sql(d: Dialect, s: Scan) -> tuple[str, list[Any]]:
-    """``SELECT <order columns> FROM t WHERE ... ORDER BY ... LIMIT n``."""
+def scan_sql(
+    d: Dialect, s: Scan, *, schema: str | None = None, tag: int | None = None
+) -> tuple[str, list[Any]]:
+    """``SELECT <order columns> FROM t WHERE ... ORDER BY ... LIMIT n``; with
+    ``schema``, the table of that database; with ``tag``, the number ``tag`` as
+    a first column (to tell the parts of a UNION apart)."""
     where: list[str] = []
     params: list[Any] = []
     for col, values in zip(s.columns, s.eq, strict=False):
@@ -81,8 +85,10 @@ def scan_sql(d: Dialect, s: Scan) -> tuple[str, list[Any]]:
         where.append(cond)
         params.extend(cparams)
     direction = " DESC" if s.desc else ""
+    table = d.q(s.table) if schema is None else f"{d.q(schema)}.{d.q(s.table)}"
+    first = "" if tag is None else f"{int(tag)} AS bagstore_part, "
     sql = (
-        f"SELECT {', '.join(d.q(c) for c in order)} FROM {d.q(s.table)}"
+        f"SELECT {first}{', '.join(d.q(c) for c in order)} FROM {table}"
         + (f" WHERE {' AND '.join(where)}" if where else "")
         + f" ORDER BY {', '.join(d.q(c) + direction for c in order)} LIMIT {int(s.limit)}"
     )
@@ -262,3 +268,26 @@ class IndexOps:
                 IndexRow(tuple(bytes(v) for v in r[:n]), bytes(r[n]), int(r[n + 1])) for r in rows
             ]
         return out
+
+
+def scan_index_together(parts: Sequence[tuple[IndexOps, Scan]]) -> list[list[tuple[bytes, ...]]]:
+    """The scans of several shards that ``can_read_together``, in one statement
+    on the first one's connection: each part in parentheses with its own ORDER
+    BY and LIMIT, tagged so that its rows go back to its scan."""
+    lead = parts[0][0]
+    d = lead.dialect
+    selects: list[str] = []
+    params: list[Any] = []
+    for tag, (backend, scan) in enumerate(parts):
+        backend.scans += 1
+        sql, p = scan_sql(d, scan, schema=getattr(backend, "schema", None), tag=tag)
+        selects.append(sql)
+        params.extend(p)
+    out: list[list[tuple[bytes, ...]]] = [[] for _ in parts]
+    for row in lead.fetchall(d.union_all_sql(selects), params):
+        out[int(row[0])].append(tuple(bytes(v) for v in row[1:]))
+    # SQL keeps no order across a UNION: put each part back in index order (the
+    # columns compare bytewise, as Python compares these tuples).
+    for rows, (_, scan) in zip(out, parts, strict=True):
+        rows.sort(reverse=scan.desc)
+    return out

@@ -218,6 +218,10 @@ class MySQLBackend(Backend):
         self.host, self.port, self.user, self.database = host, port, user, database
         self._password = password
         self._driver = _load_driver(driver)
+        # Databases on one server reached with one login: one connection reads
+        # them all (``db`.`table``), so their reads may share a statement.
+        self.together = ("mysql", host, port, user, password, self._driver.__name__)
+        self.schema = database
         self.driver_errors = (self._driver.Error,)
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
