@@ -86,9 +86,12 @@ class CleanStats:
 class Throttle:
     """Adaptive pauses between batches (one per worker thread).
 
-    ``duty``: pause this fraction of each batch's duration at least.  When a
-    batch's time per row rises over twice the best seen, the database is busy:
-    the pause doubles (up to ``max_pause``); it shrinks back as batches speed up.
+    ``duty``: pause this fraction of each batch's duration at least.  When the
+    time per row, smoothed over the last few batches, rises over three times the
+    best seen, the database is busy: the pause doubles (up to ``max_pause``); it
+    shrinks back as batches speed up.  (Smoothed, because one slow batch is
+    usually a thread waiting for the interpreter lock or the CPU, not a busy
+    database: reacting to each one halved the rate for nothing.)
     ``max_rate`` caps rows per second.
     """
 
@@ -96,6 +99,7 @@ class Throttle:
     duty: float = 0.5
     max_pause: float = 1.0
     best: float = field(default=float("inf"))
+    smooth: float | None = None
     extra: float = 0.0
     started: float = field(default_factory=time.monotonic)
     rows: int = 0
@@ -106,7 +110,8 @@ class Throttle:
         if rows:
             per_row = seconds / rows
             self.best = min(self.best, per_row)
-            if per_row > 2 * self.best:
+            self.smooth = per_row if self.smooth is None else 0.75 * self.smooth + 0.25 * per_row
+            if self.smooth > 3 * self.best:
                 self.extra = min(self.max_pause, max(2 * self.extra, seconds))
             else:
                 self.extra /= 2
@@ -304,7 +309,8 @@ class Cleaner:
                 wanted[entity_id] = index.rows_or_none(codec.decode(body), entity_id, self._buckets)
                 stamp[entity_id] = updated
             stats.written += self._insert(index, (r for rows in wanted.values() for r in rows))
-            stats.removed += self._take_back(index, backend, wanted, stamp)
+            now = backend.stamps_between(self.ds.kind, after, batch[-1][0])
+            stats.removed += self._take_back(index, backend, wanted, stamp, now)
             stats.entities += len(batch)
             after = batch[-1][0]
             self.checkpoints.set(checkpoint, after)
@@ -318,11 +324,12 @@ class Cleaner:
         backend: Backend,
         wanted: dict[bytes, set[IndexRow]],
         stamp: dict[bytes, int],
+        now: dict[bytes, int],
     ) -> int:
         """Delete rows just written for entities that changed since they were read
-        (their writers may already have removed the old values' rows)."""
-        now = backend.versions(self.ds.kind, list(wanted))
-        changed = [i for i in wanted if i not in now or now[i][1] != stamp[i]]
+        (their writers may already have removed the old values' rows); ``now``:
+        ``{id: updated}`` of the batch's rows as they are after the insert."""
+        changed = [i for i in wanted if now.get(i) != stamp[i]]
         if not changed:
             return 0
         current = backend.get_bodies(self.ds.kind, changed)

@@ -123,6 +123,7 @@ class IndexOps:
     dialect: Dialect
     name: str
     scans: int
+    index_rows_per_statement: int
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         raise NotImplementedError
@@ -163,8 +164,9 @@ class IndexOps:
         cols = (*columns, ENTITY_ID, BUCKET) + ((CLAIMED,) if claimed is not None else ())
         extra = (claimed,) if claimed is not None else ()
         written = 0
-        for start in range(0, len(rows), 200):
-            chunk = rows[start : start + 200]
+        step = self.index_rows_per_statement
+        for start in range(0, len(rows), step):
+            chunk = rows[start : start + step]
             if fenced:
                 sql = self.dialect.fenced_insert_sql(table, cols, len(chunk), ignore=True)
             else:
