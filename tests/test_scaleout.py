@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import bagstore
+from bagstore import keys
 from bagstore.scaleout import Mover
 from bagstore.sharding.hashing import bucket_of
 from tests import servers
@@ -119,6 +120,29 @@ def test_stale_process_is_fenced(growth: Growth) -> None:
     assert stale.placement.shard_of_bucket[bucket] == 2
     assert admin._backends[source].get_bodies("entities", [entity_id]) == {}
     assert admin.get(entity_id) == {"id": entity_id, "v": 2}
+
+
+def test_stale_process_is_fenced_when_it_deletes_index_rows(growth: Growth) -> None:
+    tag_idx = bagstore.Index(table="index_tag", properties=["tag"], shard_on="tag")
+    stale = growth.open(indexes=[tag_idx], refresh_interval=3600)
+    admin = growth.open(indexes=[tag_idx])
+    entity_id = stale.put({"tag": "a0"})
+    # a tag whose index row lives in another bucket than the entity
+    tag = next(
+        f"a{n}"
+        for n in range(1, 500)
+        if bucket_of(keys.encode_value(f"a{n}"), 64) != bucket_of(entity_id, 64)
+    )
+    stale.put({"id": entity_id, "tag": tag})
+    row_bucket = bucket_of(keys.encode_value(tag), 64)
+    admin.add_shard(growth.extra)
+    admin.move_buckets([row_bucket], to=2, grace=0)  # the row moves; the entity does not
+    # The stale process deletes the old row on the shard that let the bucket go:
+    # refused there, it refreshes and deletes it on the new owner.
+    stale.put({"id": entity_id, "tag": "z"})
+    report = admin.check()
+    assert (report["missing"], report["stale"]) == (0, 0), report
+    assert [e["id"] for e in tag_idx.get_all(admin, tag="z")] == [entity_id]
 
 
 def test_frozen_bucket_makes_writers_wait_then_raise(growth: Growth) -> None:

@@ -178,6 +178,6 @@ class Indexer:
                 if op == "insert":
                     backend.insert_index_rows(index.table, index.properties, rows, fenced=True)
                 else:
-                    backend.delete_index_rows(index.table, index.properties, rows)
+                    backend.delete_index_rows(index.table, index.properties, rows, fenced=True)
 
         self.ds._route(items, lambda item: item[1].bucket, on_shard)

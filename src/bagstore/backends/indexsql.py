@@ -180,13 +180,30 @@ class IndexOps:
         return written
 
     def delete_index_rows(
-        self, table: str, columns: Sequence[str], rows: Sequence[IndexRow]
+        self,
+        table: str,
+        columns: Sequence[str],
+        rows: Sequence[IndexRow],
+        *,
+        fenced: bool = False,
     ) -> int:
+        """Delete rows; with ``fenced``, only rows of buckets this shard owns, and
+        StalePlacement / KeyMigrating is raised if a bucket is not owned (a writer
+        with a stale placement must not delete on a shard that has let the bucket
+        go: the owner would keep the row)."""
         d, removed = self.dialect, 0
         for start in range(0, len(rows), 200):
             chunk = rows[start : start + 200]
-            sql = f"DELETE FROM {d.q(table)} WHERE {_row_match(d, columns, len(chunk))}"
-            removed += self.execute(sql, [v for r in chunk for v in (*r.keys, r.entity_id)])
+            sql = f"DELETE FROM {d.q(table)} WHERE ({_row_match(d, columns, len(chunk))})"
+            if fenced:
+                sql += (
+                    " AND EXISTS (SELECT 1 FROM bagstore_owned o "
+                    f"WHERE o.bucket = {d.q(table)}.{BUCKET} AND o.state = 0)"
+                )
+            n = self.execute(sql, [v for r in chunk for v in (*r.keys, r.entity_id)])
+            if fenced and n < len(chunk):  # gone already, or buckets not owned here
+                self.check_owned([r.bucket for r in chunk])
+            removed += n
         return removed
 
     def scan_index(self, scan: Scan) -> list[tuple[bytes, ...]]:
