@@ -218,6 +218,7 @@ def test_writers_killed_by_sigkill_lose_no_acknowledged_write(topo: Topology) ->
                 ds.put({{"id": entity_id, "link": link, "user_id": b"w2", "n": n}})
             elif mine and random.random() < 0.05:
                 entity_id = mine.pop()
+                print("d", entity_id.hex(), flush=True)  # a delete in flight
                 ds.delete(entity_id)
                 print("D", entity_id.hex(), flush=True)
                 continue
