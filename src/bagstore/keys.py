@@ -63,6 +63,7 @@ a stored key, which is why the query layer re-checks each entity with
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple, cast
 
@@ -241,18 +242,7 @@ def index_values(v: object) -> list[object]:
         >>> index_values([3, "a", 3.0, None, [1]])
         [3, 'a']
     """
-    items = v if isinstance(v, list) else [v]
-    seen: set[bytes] = set()
-    out: list[object] = []
-    for item in items:
-        try:
-            key = encode_value(item)
-        except UnindexableValue:
-            continue
-        if key not in seen:
-            seen.add(key)
-            out.append(item)
-    return out
+    return [item for item, _ in _indexed(v if isinstance(v, list) else [v])]
 
 
 def index_keys(v: object) -> list[bytes]:
@@ -261,22 +251,25 @@ def index_keys(v: object) -> list[bytes]:
     >>> index_keys([3, "a", 3.0]) == [encode_value(3), encode_value("a")]
     True
     """
-    if not isinstance(v, list):
+    if not isinstance(v, list):  # the common case, without the generator
         try:
             return [encode_value(v)]
         except UnindexableValue:
             return []
+    return [key for _, key in _indexed(v)]
+
+
+def _indexed(items: list[object]) -> Iterator[tuple[object, bytes]]:
+    """``(item, key)`` of the indexable items, the first of each key only."""
     seen: set[bytes] = set()
-    out: list[bytes] = []
-    for item in v:
+    for item in items:
         try:
             key = encode_value(item)
         except UnindexableValue:
             continue
         if key not in seen:
             seen.add(key)
-            out.append(key)
-    return out
+            yield item, key
 
 
 def _encode_float(v: float) -> bytes:
