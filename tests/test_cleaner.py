@@ -329,6 +329,13 @@ def test_cleaner_refuses_unknown_and_retired_indexes(topo: Topology) -> None:
         bagstore.Cleaner(ds).backfill("index_link")
     with pytest.raises(bagstore.ConfigurationError, match="batch"):
         bagstore.Cleaner(ds, batch=0)
+    for duty in (-0.1, 11, "0.5", True):
+        with pytest.raises(bagstore.ConfigurationError, match="duty"):
+            bagstore.Cleaner(ds, duty=duty)  # type: ignore[arg-type]
+    for rate in (0, -5, "100"):
+        with pytest.raises(bagstore.ConfigurationError, match="max_rate"):
+            bagstore.Cleaner(ds, max_rate=rate)  # type: ignore[arg-type]
+    assert ds.indexes()["index_link"][1] == "retired"  # nothing changed
 
 
 def test_stats_are_plain_numbers() -> None:

@@ -26,7 +26,9 @@ def test_clean_backfills_and_repairs(tmp_path: Path) -> None:
     with bagstore.open(store) as ds:
         ds.put_many([{"link": f"l{i % 7}"} for i in range(70)])
         ds.add_index(bagstore.Index(table="index_link", properties=["link"]))
-    result = ok(store, "clean", "--index", "index_link", "--json")
+    result = run(store, "clean", "--index", "index_link", "--duty", "-1")
+    assert result.exit_code == 2 and "--duty" in result.output
+    result = ok(store, "clean", "--index", "index_link", "--duty", "0", "--json")
     assert json.loads(result.stdout)["written"] == 70
     with bagstore.open(store) as ds:
         assert ds.indexes()["index_link"][1] == "ready"

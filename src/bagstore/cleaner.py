@@ -143,6 +143,12 @@ class Cleaner:
     ) -> None:
         if not 1 <= batch <= 10_000:
             raise ConfigurationError(f"batch must be from 1 to 10000, not {batch!r}")
+        if not isinstance(duty, int | float) or isinstance(duty, bool) or not 0 <= duty <= 10:
+            raise ConfigurationError(f"duty must be a number from 0 to 10, not {duty!r}")
+        if max_rate is not None and (
+            not isinstance(max_rate, int | float) or isinstance(max_rate, bool) or max_rate <= 0
+        ):
+            raise ConfigurationError(f"max_rate must be a positive number, not {max_rate!r}")
         self.ds = datastore
         self.batch = batch
         self.max_rate = max_rate

@@ -65,6 +65,13 @@ def _progress() -> Progress:
 @click.option("--follow", is_flag=True, help="Repair continuously until Ctrl-C.")
 @click.option("--batch", default=1000, show_default=True, help="Entities per statement.")
 @click.option("--max-rate", type=float, default=None, help="At most this many rows per second.")
+@click.option(
+    "--duty",
+    type=click.FloatRange(0, 10),
+    default=0.5,
+    show_default=True,
+    help="Pause this fraction of each batch's time after it (0: flat out).",
+)
 @click.option("--interval", default=1.0, show_default=True, help="Seconds between --follow passes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
 @click.pass_context
@@ -75,6 +82,7 @@ def clean(
     follow: bool,
     batch: int,
     max_rate: float | None,
+    duty: float,
     interval: float,
     as_json: bool,
 ) -> None:
@@ -89,7 +97,7 @@ def clean(
     if sum(map(bool, (table, repair, follow))) != 1:
         raise click.UsageError("give exactly one of --index NAME, --repair, --follow")
     ds = _store(ctx)
-    cleaner = bagstore.Cleaner(ds, batch=batch, max_rate=max_rate)
+    cleaner = bagstore.Cleaner(ds, batch=batch, max_rate=max_rate, duty=duty)
     stats: bagstore.CleanStats
     try:
         if table is not None:
