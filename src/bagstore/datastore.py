@@ -637,7 +637,6 @@ class Datastore:
         groups: dict[int, list[bytes]] = defaultdict(list)
         for entity_id, bucket in where.items():
             groups[self._shard_of_bucket[bucket]].append(entity_id)
-        small = len(where) <= TOGETHER_MAX_IDS
 
         def read(job: list[int]) -> dict[bytes, Stored]:
             if len(job) == 1:
@@ -645,29 +644,29 @@ class Datastore:
             return get_bodies_together(self.kind, [(self._backends[k], groups[k]) for k in job])
 
         found: dict[bytes, Stored] = {}
-        jobs = self._together(list(groups)) if small else [[k] for k in groups]
+        shards = list(groups)
+        if len(where) <= TOGETHER_MAX_IDS:
+            jobs = self._together(shards, self._backends.__getitem__)
+        else:  # too many ids for one statement
+            jobs = [[k] for k in shards]
         for part in self._map(read, jobs):
             found.update(part)
         return found
 
-    def _together(self, shards: list[int]) -> list[list[int]]:
-        """Shards grouped so that each group can be read in one statement
-        (databases of one server reached with one login); others alone."""
-        if len(shards) <= 1:
-            return [shards] if shards else []
-        jobs: dict[Any, list[int]] = {}
-        for k in shards:
-            key = self._backends[k].together
-            jobs.setdefault(key if key is not None else ("alone", k), []).append(k)
-        return list(jobs.values())
+    @staticmethod
+    def _together(items: Sequence[T], backend_of: Callable[[T], Backend]) -> list[list[T]]:
+        """Items (shard numbers, scans) grouped so that each group's shards can be
+        read in one statement (databases of one server reached with one login);
+        the others alone, in order."""
+        groups: dict[Any, list[T]] = {}
+        for n, item in enumerate(items):
+            key = backend_of(item).together
+            groups.setdefault(key if key is not None else ("alone", n), []).append(item)
+        return list(groups.values())
 
     def fetch_streams(self, streams: list[_Stream]) -> None:
         """query.Source: the first page of every shard's scan, one statement per
         group of shards that can be read together."""
-        groups: dict[Any, list[_Stream]] = {}
-        for s in streams:
-            key = s.backend.together
-            groups.setdefault(key if key is not None else id(s), []).append(s)
 
         def read(job: list[_Stream]) -> None:
             if len(job) == 1:
@@ -679,7 +678,7 @@ class Datastore:
             for s, rows in zip(job, pages, strict=True):
                 s.accept(rows)
 
-        self._map(read, list(groups.values()))
+        self._map(read, self._together(streams, lambda s: s.backend))
 
     def _delete_at(
         self,
