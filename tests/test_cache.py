@@ -429,11 +429,43 @@ def test_garbage_in_the_cache_reads_as_a_miss(topo: Topology, cache_url: str) ->
         assert ids(user_pub.get_all(ds, user_id=b"g1")) == [a]
         assert ids(user_pub.get_all(ds, user_id=b"g1")) == [a]
         base = f"{plan.fingerprint()}|None|None"
-        page_key = layer._hashed("l", base.encode(), *[str(v).encode() for v in layer._memo[base]])
+        revs, _ = layer._memo[base]
+        page_key = layer._hashed("l", base.encode(), *[str(v).encode() for v in revs])
+        assert layer.cache.get_many([page_key])  # the page is there, under that key
         layer.cache.set_many({page_key: junk or b"x"}, 60)
         assert ids(user_pub.get_all(ds, user_id=b"g1")) == [a]
         ds.put({"id": a, "user_id": b"g1", "published": 1, "n": 1})
     assert ds.stats()["l2"]["errors"] == 0
+
+
+def test_an_unchanged_page_is_read_in_one_cache_round_trip(
+    topo: Topology, cache_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = topo.open(cache=cache_url, indexes=[user_pub])
+    writer = topo.open(cache=cache_url, indexes=[user_pub])
+    made = ds.put_many([{"user_id": b"r1", "published": n} for n in range(5)])
+    assert ids(user_pub.get_all(ds, user_id=b"r1")) == made  # fills the page
+    assert ids(user_pub.get_all(ds, user_id=b"r1")) == made  # learns its ids
+    layer: CacheLayer = ds._cache
+    assert layer.cache is not None
+    calls: list[int] = []
+    original = layer.cache.get_many
+
+    def counting(keys: list[str]) -> Any:
+        calls.append(len(keys))
+        return original(keys)
+
+    monkeypatch.setattr(layer.cache, "get_many", counting)
+    before = ds.stats()
+    assert ids(user_pub.get_all(ds, user_id=b"r1")) == made
+    assert len(calls) == 1 and calls[0] >= 5  # revisions, page and the 5 entities
+    assert delta(ds, before)["l2"]["hits"] >= 1
+    # An entity changed by another datastore is never served from the prefetch.
+    writer.put({"id": made[2], "user_id": b"r1", "published": 2, "note": "changed"})
+    again = user_pub.get_all(ds, user_id=b"r1")
+    assert ids(again) == made and again[2]["note"] == "changed"
+    writer.put({"id": made[4], "user_id": b"r1", "published": 2.5})  # moves in the index
+    assert [e["published"] for e in user_pub.get_all(ds, user_id=b"r1")] == [0, 1, 2, 2.5, 3]
 
 
 def test_a_page_whose_entity_no_longer_matches_is_a_miss(topo: Topology) -> None:
@@ -448,7 +480,8 @@ def test_a_page_whose_entity_no_longer_matches_is_a_miss(topo: Topology) -> None
     assert layer.cache is not None
     plan = plan_query(user_pub, parse_filters({"user_id": b"c1"}), None)
     base = f"{plan.fingerprint()}|None|None"
-    key = layer._hashed("l", base.encode(), *[str(v).encode() for v in layer._memo[base]])
+    revs, _ = layer._memo[base]
+    key = layer._hashed("l", base.encode(), *[str(v).encode() for v in revs])
     layer.cache.set_many({key: encode_list(key, [other], None)}, 60)
     before = ds.stats()
     assert ids(user_pub.get_all(ds, user_id=b"c1")) == [a]

@@ -757,7 +757,7 @@ class Datastore:
             limit,
             cursor,
             lambda: execute(self, plan, limit=limit, cursor=cursor),
-            self.fetch_for_query,
+            self._fetch_many,
             cacheable=state == READY,
         )
 
@@ -795,7 +795,7 @@ class Datastore:
                 limit,
                 cursor,
                 lambda: execute(self, chosen, limit=limit, cursor=cursor),
-                self.fetch_for_query,
+                self._fetch_many,
             )
         if building:
             raise IndexNotReady(

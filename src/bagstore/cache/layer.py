@@ -80,6 +80,8 @@ T = TypeVar("T")
 
 #: Values above this many bytes are not cached (memcached's item limit is 1 MiB).
 MAX_VALUE = 1_000_000
+#: A cached page of at most this many ids is read with its entities in one multi-get.
+MAX_PREFETCH = 100
 #: A query over more scopes than this uses the index-wide revision instead.
 MAX_SCOPES = 64
 #: At most this many failed invalidations are remembered for retry.
@@ -130,7 +132,8 @@ class CacheLayer:
         self._lock = threading.Lock()
         self._pending: OrderedDict[str, bytes | None] = OrderedDict()
         self._retry_at = 0.0
-        self._memo: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        #: query -> (revisions its page was last found under, that page's ids)
+        self._memo: OrderedDict[str, tuple[tuple[int, ...], tuple[bytes, ...]]] = OrderedDict()
 
     # -- keys ------------------------------------------------------------------------
     def entity_key(self, entity_id: bytes) -> str:
@@ -256,9 +259,14 @@ class CacheLayer:
 
     # -- entities --------------------------------------------------------------------
     def read_entities(
-        self, ids: Sequence[bytes], load: Callable[[list[bytes]], dict[bytes, Stored]]
+        self,
+        ids: Sequence[bytes],
+        load: Callable[[list[bytes]], dict[bytes, Stored]],
+        prefetched: Mapping[str, Any] | None = None,
     ) -> dict[bytes, Stored]:
-        """``{id: Stored}`` of the ids that exist: level 1, level 2, then ``load``."""
+        """``{id: Stored}`` of the ids that exist: level 1, level 2, then ``load``.
+        ``prefetched``: level-2 items this read already holds (keys it need not
+        ask for again), from a multi-get made after the read began."""
         wanted = list(dict.fromkeys(ids))
         rc = current()
         out: dict[bytes, Stored] = {}
@@ -273,7 +281,9 @@ class CacheLayer:
             self.stats.l1.add(hits=len(wanted) - len(rest), misses=len(rest))
             wanted = rest
         if wanted:
-            found = self._read_l2(wanted, load) if self.cache is not None else load(wanted)
+            found = (
+                self._read_l2(wanted, load, prefetched) if self.cache is not None else load(wanted)
+            )
             out.update(found)
             if rc is not None:
                 for i in wanted:
@@ -281,13 +291,17 @@ class CacheLayer:
         return out
 
     def decoded(
-        self, ids: Sequence[bytes], load: Callable[[list[bytes]], dict[bytes, Stored]]
+        self,
+        ids: Sequence[bytes],
+        load: Callable[[list[bytes]], dict[bytes, Stored]],
+        prefetched: Mapping[str, Any] | None = None,
     ) -> dict[bytes, dict[str, Any]]:
         """Like :meth:`read_entities`, decoded (each dict a fresh copy)."""
         rc = current()
         if rc is None:
-            return {k: codec.decode(v.body) for k, v in self.read_entities(ids, load).items()}
-        self.read_entities(ids, load)
+            found = self.read_entities(ids, load, prefetched)
+            return {k: codec.decode(v.body) for k, v in found.items()}
+        self.read_entities(ids, load, prefetched)
         out: dict[bytes, dict[str, Any]] = {}
         for i in ids:
             entry = rc.entities.get(self._ekey + i.hex(), _NO_ENTITY)
@@ -327,16 +341,23 @@ class CacheLayer:
         return self.decoded([entity_id], load).get(entity_id)
 
     def _read_l2(
-        self, ids: list[bytes], load: Callable[[list[bytes]], dict[bytes, Stored]]
+        self,
+        ids: list[bytes],
+        load: Callable[[list[bytes]], dict[bytes, Stored]],
+        prefetched: Mapping[str, Any] | None = None,
     ) -> dict[bytes, Stored]:
         assert self.cache is not None
         skip = self._bypassed()
         by_key = {self._ekey + i.hex(): i for i in ids}
         asked = [k for k in by_key if k not in skip]
-        got = self._l2("get", self.cache.get_many, asked) if asked else {}
+        had = {k: prefetched[k] for k in asked if k in prefetched} if prefetched else {}
+        rest = [k for k in asked if k not in had] if had else asked
+        got = self._l2("get", self.cache.get_many, rest) if rest else {}
         if isinstance(got, _Failed):
             self.stats.l2.add(misses=len(ids))
             return load(ids)
+        if had:
+            got = {**had, **got}
         out: dict[bytes, Stored] = {}
         need: list[bytes] = []
         replace: dict[str, tuple[Any, int]] = {}  # key -> (cas token, lowest version)
@@ -388,15 +409,19 @@ class CacheLayer:
         limit: object,
         cursor: object,
         run: Callable[[], QueryResult],
-        fetch: Callable[[Sequence[bytes]], dict[bytes, dict[str, Any]]],
+        load: Callable[[list[bytes]], dict[bytes, Stored]],
         *,
         cacheable: bool = True,
     ) -> QueryResult:
         """One page of a query: level 1, level 2 (under the scopes' revisions),
-        else ``run()`` (whose ids are then cached).  ``fetch`` reads entities
-        (through the entity cache) to rebuild a cached page."""
+        else ``run()`` (whose ids are then cached).  ``load`` reads entities from
+        the database; a cached page is rebuilt through the entity cache."""
         if not cacheable:
             return run()
+
+        def fetch(ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
+            return self.decoded(ids, load)
+
         base = f"{plan.fingerprint()}|{limit!r}|{cursor!r}"
         rc = current()
         if rc is not None:
@@ -407,7 +432,7 @@ class CacheLayer:
                     self.stats.l1.add(hits=1)
                     return result
             self.stats.l1.add(misses=1)
-        result = self._read_list_l2(plan, base, run, fetch) if self.cache is not None else run()
+        result = self._read_list_l2(plan, base, run, load) if self.cache is not None else run()
         ids = _ids_of(result)
         if rc is not None and ids is not None:
             rc.lists[self.prefix + base] = (ids, result.cursor)
@@ -418,7 +443,7 @@ class CacheLayer:
         plan: Plan,
         base: str,
         run: Callable[[], QueryResult],
-        fetch: Callable[[Sequence[bytes]], dict[bytes, dict[str, Any]]],
+        load: Callable[[list[bytes]], dict[bytes, Stored]],
     ) -> QueryResult:
         assert self.cache is not None
         scope_keys = self.scope_keys(plan)
@@ -427,9 +452,15 @@ class CacheLayer:
             self.stats.l2.add(misses=1)
             return run()
         with self._lock:
-            guess = self._memo.get(base)
+            guess, guess_ids = self._memo.get(base, (None, ()))
         guess_key = self._hashed("l", base.encode(), *_rev_bytes(guess)) if guess else None
-        got = self._l2("get", self.cache.get_many, [*scope_keys, *filter(None, [guess_key])])
+        # With the revisions this process saw last, ask for the page they name and
+        # the entities that page held: a page that did not change is rebuilt from
+        # this one multi-get (entities are still checked as any read checks them).
+        prefetch = [self._ekey + i.hex() for i in guess_ids] if guess_key else []
+        got = self._l2(
+            "get", self.cache.get_many, [*scope_keys, *filter(None, [guess_key]), *prefetch]
+        )
         if isinstance(got, _Failed):
             self.stats.l2.add(misses=1)
             return run()
@@ -451,18 +482,16 @@ class CacheLayer:
         if current_revs == guess:
             item = got.get(key)
         else:
-            with self._lock:
-                self._memo[base] = current_revs
-                self._memo.move_to_end(base)
-                if len(self._memo) > MAX_PENDING:
-                    self._memo.popitem(last=False)
+            self._remember_page(base, current_revs, ())
             more = self._l2("get", self.cache.get_many, [key])
             item = more.get(key) if isinstance(more, dict) else None
         if item is not None:
             page = decode_list(key, item[0])
             if page is not None:
-                result = _rebuild(plan, page[0], page[1], fetch)
+                result = _rebuild(plan, page[0], page[1], lambda ids: self.decoded(ids, load, got))
                 if result is not None:
+                    if current_revs != guess or tuple(page[0]) != guess_ids:
+                        self._remember_page(base, current_revs, page[0])
                     self.stats.l2.add(hits=1)
                     return result
         self.stats.l2.add(misses=1)
@@ -470,12 +499,23 @@ class CacheLayer:
         ids = _ids_of(result)
         if self.before_fill is not None:
             self.before_fill("list", [key])
+        if ids is not None:
+            self._remember_page(base, current_revs, ids)
         value = encode_list(key, ids, result.cursor) if ids is not None else None
         if value is not None and len(value) <= MAX_VALUE:
             fill = self.cache.set_many if item is not None else self.cache.add_many
             if not isinstance(self._l2("fill", fill, {key: value}, self.list_ttl), _Failed):
                 self.stats.l2.add(fills=1)
         return result
+
+    def _remember_page(self, base: str, revs: tuple[int, ...], ids: Sequence[bytes]) -> None:
+        """Remember the revisions a query's page was last found under, and its ids
+        when there are few (to ask for them with the next read of that page)."""
+        with self._lock:
+            self._memo[base] = (revs, tuple(ids) if len(ids) <= MAX_PREFETCH else ())
+            self._memo.move_to_end(base)
+            if len(self._memo) > MAX_PENDING:
+                self._memo.popitem(last=False)
 
     # -- writes ----------------------------------------------------------------------
     def before_write(self, ids: Sequence[bytes]) -> None:
