@@ -30,7 +30,6 @@ __all__ = [
     "Dialect",
     "EntityRow",
     "Stored",
-    "can_read_together",
     "check_identifier",
     "get_bodies_together",
     "translate_errors",
@@ -259,6 +258,12 @@ class Backend(BucketOps, IndexOps):
         """The bagstore error class for a driver exception."""
         return BackendError
 
+    def translated(self, exc: BaseException) -> BackendError:
+        """A driver exception as the bagstore error to raise (``__cause__`` set)."""
+        error = self.classify(exc)(f"shard {self.name}: {exc}", shard=self.name)
+        error.__cause__ = exc
+        return error
+
     def is_retryable(self, exc: BaseException) -> bool:
         """True if a statement failing with ``exc`` may simply be run again
         on a fresh connection (lost connection, deadlock victim)."""
@@ -305,7 +310,7 @@ class Backend(BucketOps, IndexOps):
             except BagstoreError:
                 raise
             except self.driver_errors as exc:
-                raise self.classify(exc)(f"shard {self.name}: {exc}", shard=self.name) from exc
+                raise self.translated(exc) from exc
             try:
                 result = work(conn, *args)
             except BaseException as exc:
@@ -331,8 +336,7 @@ class Backend(BucketOps, IndexOps):
         raise (a driver error translated, anything else as it is)."""
         error: BaseException = exc
         if isinstance(exc, self.driver_errors) and not isinstance(exc, BagstoreError):
-            error = self.classify(exc)(f"shard {self.name}: {exc}", shard=self.name)
-            error.__cause__ = exc
+            error = self.translated(exc)
         cause = error.__cause__ if isinstance(error, BackendError) else error
         if isinstance(error, ShardUnavailable) or (cause is not None and self.is_retryable(cause)):
             self._discard(conn)
@@ -340,11 +344,7 @@ class Backend(BucketOps, IndexOps):
         try:
             self._rollback_quietly(conn)
         except self.driver_errors as rollback_exc:  # the connection is gone too
-            failed = self.classify(rollback_exc)(
-                f"shard {self.name}: {rollback_exc}", shard=self.name
-            )
-            failed.__cause__ = rollback_exc
-            return failed
+            return self.translated(rollback_exc)
         self._release(conn)
         return error
 
@@ -654,16 +654,10 @@ class Backend(BucketOps, IndexOps):
 TOGETHER_MAX_IDS = 2000
 
 
-def can_read_together(backends: Sequence[Backend]) -> bool:
-    """Whether these (distinct) shards can be read in one statement."""
-    key = backends[0].together
-    return len(backends) > 1 and key is not None and all(b.together == key for b in backends)
-
-
 def get_bodies_together(
     kind: str, parts: Sequence[tuple[Backend, Sequence[bytes]]]
 ) -> dict[bytes, Stored]:
-    """Bodies of ids on several shards that :func:`can_read_together`, in one
+    """Bodies of ids on several shards with one ``together`` key, in one
     statement on the first shard's connection (one round trip instead of one
     per shard); each part reads only its own database."""
     lead = parts[0][0]
@@ -701,5 +695,4 @@ def translate_errors(backend: Backend) -> Iterator[None]:
     except BagstoreError:
         raise
     except backend.driver_errors as exc:
-        cls = backend.classify(exc)
-        raise cls(f"shard {backend.name}: {exc}", shard=backend.name) from exc
+        raise backend.translated(exc) from exc

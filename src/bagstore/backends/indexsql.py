@@ -290,7 +290,7 @@ class IndexOps:
 
 
 def scan_index_together(parts: Sequence[tuple[IndexOps, Scan]]) -> list[list[tuple[bytes, ...]]]:
-    """The scans of several shards that ``can_read_together``, in one statement
+    """The scans of several shards with one ``together`` key, in one statement
     on the first one's connection: each part in parentheses with its own ORDER
     BY and LIMIT, tagged so that its rows go back to its scan."""
     lead = parts[0][0]

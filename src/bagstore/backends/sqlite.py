@@ -175,7 +175,7 @@ class SQLiteBackend(Backend):
         try:
             row = conn.execute(sql, (entity_id,)).fetchone()
         except sqlite3.Error as exc:
-            error = self.classify(exc)(f"shard {self.name}: {exc}", shard=self.name)
+            error = self.translated(exc)
             if isinstance(error, ShardUnavailable):
                 self._discard(conn)
             raise error from exc
