@@ -123,6 +123,7 @@ class IndexOps:
     dialect: Dialect
     name: str
     scans: int
+    schema: str | None
     index_rows_per_statement: int
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
@@ -299,7 +300,7 @@ def scan_index_together(parts: Sequence[tuple[IndexOps, Scan]]) -> list[list[tup
     params: list[Any] = []
     for tag, (backend, scan) in enumerate(parts):
         backend.scans += 1
-        sql, p = scan_sql(d, scan, schema=getattr(backend, "schema", None), tag=tag)
+        sql, p = scan_sql(d, scan, schema=backend.schema, tag=tag)
         selects.append(sql)
         params.extend(p)
     out: list[list[tuple[bytes, ...]]] = [[] for _ in parts]

@@ -154,7 +154,6 @@ class SQLiteBackend(Backend):
         self._synchronous = synchronous.upper()
         self._busy_timeout = busy_timeout
         self._local = threading.local()
-        self._point_sql: dict[str, str] = {}
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         if path != ":memory:":
@@ -169,11 +168,8 @@ class SQLiteBackend(Backend):
         conn: sqlite3.Connection | None = getattr(local, "conn", None)
         if conn is None or local.busy:
             return super().get_body(kind, entity_id)
-        sql = self._point_sql.get(kind)
-        if sql is None:
-            sql = self._point_sql[kind] = self.dialect.select_bodies_sql(kind, 1)
         try:
-            row = conn.execute(sql, (entity_id,)).fetchone()
+            row = conn.execute(self.sql("select_bodies_sql", kind, 1), (entity_id,)).fetchone()
         except sqlite3.Error as exc:
             error = self.translated(exc)
             if isinstance(error, ShardUnavailable):
