@@ -14,9 +14,9 @@ decodes with ``bagstore.codec``: raw SQL to one database is the floor.
 
 - ``put``: one entity, no indexes.  Raw: the same upsert, autocommit.  Target >= 0.7x raw.
 - ``put_many`` of 500.  Raw: one 500-row upsert per call.  Target on MariaDB >= 20,000/s.
-- ``get``.  Raw: ``SELECT id, body, version, updated ... WHERE id = ?`` + decode.
+- ``get``.  Raw: ``SELECT id, body ... WHERE id = ?`` + decode.
   Targets >= 0.8x raw; on SQLite >= 50,000/s.
-- ``get_many`` of 50.  Raw: one ``IN (...)`` query on one database + decode.
+- ``get_many`` of 50.  Raw: one ``SELECT id, body ... IN (...)`` on one database + decode.
 
 Rates are entities per second; figures are medians of interleaved rounds.
 """
@@ -94,8 +94,9 @@ def works(env: Env, ids: list[bytes]) -> list[Work]:
     ds, d = env.ds, env.dialect
     raw_one = raw_put_fn(env, 1)
     raw_batch = raw_put_fn(env, BATCH)
-    sel_one = d.select_bodies_sql(KIND, 1)
-    sel_many = d.select_bodies_sql(KIND, MANY)
+    # the columns bagstore reads when no cache needs the stamps: id and body
+    sel_one = d.select_bodies_sql(KIND, 1, stamps=False)
+    sel_many = d.select_bodies_sql(KIND, MANY, stamps=False)
     cur = env.cursor()
 
     def raw_get(eid: bytes) -> dict[str, Any] | None:

@@ -14,10 +14,13 @@ bucket of the full key); it sends the statements bagstore sends.
 
 - index lookup of a user with 20 entities, ``index.get_all(ds, user_id=u)``.
   Raw: ``SELECT entity_id FROM index_user_id WHERE user_id = ?`` then
-  ``SELECT id, body, version, updated FROM entities WHERE id IN (...)`` + decode.
+  ``SELECT id, body FROM entities WHERE id IN (...)`` + decode.
   Target >= 0.8x raw.
 - ``put`` with those 2 indexes.  Raw: BEGIN; SELECT the old body FOR UPDATE;
   upsert; COMMIT; then insert-or-ignore the two index rows.  Target >= 0.7x raw.
+- the same lookup against raw SQL on bagstore's own 4 shard databases
+  (``RawLayout``: the statements bagstore sends, one per SQLite file, one
+  ``UNION ALL`` on MariaDB): what the layout costs, and what bagstore adds.
 - the same lookup on a kind placed by ``shard_key="user_id"`` (a user's
   entities share a bucket): reported beside it, no target of its own.
 - a scatter query: ``Index("index_published", ["published"])``, query
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import os
 import random
+import sqlite3
 import sys
 import time
 from collections.abc import Sequence
@@ -118,7 +122,7 @@ class Raw:
     def fetch(self, ids: list[bytes]) -> list[dict[str, Any]]:
         if not ids:
             return []
-        self.cur.execute(self.d.select_bodies_sql(KIND, len(ids)), ids)
+        self.cur.execute(self.d.select_bodies_sql(KIND, len(ids), stamps=False), ids)
         found = {bytes(r[0]): r[1] for r in self.cur.fetchall()}
         return [codec.decode(found[i]) for i in ids if i in found]
 
@@ -148,6 +152,69 @@ class Raw:
     def scatter(self, since: int) -> list[dict[str, Any]]:
         self.cur.execute(self.pub_scan, (keys.encode_value(since), self.number_end))
         return self.fetch([bytes(r[1]) for r in self.cur.fetchall()][:LIMIT])
+
+
+class RawLayout:
+    """Raw DB-API over bagstore's OWN shard databases: a user lookup with the
+    statements bagstore sends there (the index scan on the shard of the user's
+    bucket, then the bodies of each shard: one statement per SQLite file, one
+    ``UNION ALL`` over the databases of the MariaDB server).  Against this,
+    bagstore's ratio is its own cost; against :class:`Raw` on one database,
+    the layout's cost as well."""
+
+    def __init__(self, env: Env) -> None:
+        self.d = env.dialect
+        placement = env.ds.placement
+        self.shard_of, self.buckets = placement.shard_of_bucket, int(placement.buckets)
+        self.sqlite = self.d.name == "sqlite"
+        locations = [name.split("/")[-1] if not self.sqlite else name for name in env.ds.shards]
+        if self.sqlite:
+            paths = [name.removeprefix("sqlite:///") for name in env.ds.shards]
+            self.conns = [sqlite3.connect(p, isolation_level=None) for p in paths]
+        else:
+            self.cur = env.cursor()
+            self.schemas = [loc.split("?")[0] for loc in locations]
+
+    def close(self) -> None:
+        for conn in getattr(self, "conns", []):
+            conn.close()
+
+    def _rows(self, shard: int, sql: str, params: Sequence[Any]) -> list[Any]:
+        if self.sqlite:
+            return self.conns[shard].execute(sql, params).fetchall()
+        self.cur.execute(sql, params)
+        return list(self.cur.fetchall())
+
+    def user_lookup(self, user_id: bytes) -> list[dict[str, Any]]:
+        full = keys.encode_value(user_id)
+        shard = self.shard_of[bucket_of(full, self.buckets)]
+        table = "index_user_id" if self.sqlite else f"`{self.schemas[shard]}`.index_user_id"
+        p = self.d.param
+        ids = [
+            r[0]
+            for r in self._rows(
+                shard,
+                f"SELECT entity_id FROM {table} WHERE user_id = {p} ORDER BY entity_id LIMIT 501",
+                (keys.truncate(full)[0],),
+            )
+        ]
+        groups: dict[int, list[bytes]] = {}
+        for i in ids:
+            groups.setdefault(self.shard_of[bucket_of(i, self.buckets)], []).append(i)
+        found: dict[bytes, bytes] = {}
+        if self.sqlite:
+            for k, part in groups.items():
+                sql = self.d.select_bodies_sql(KIND, len(part), stamps=False)
+                found.update(self._rows(k, sql, part))
+        else:
+            sql = self.d.union_all_sql(
+                [
+                    self.d.select_bodies_sql(KIND, len(part), schema=self.schemas[k], stamps=False)
+                    for k, part in groups.items()
+                ]
+            )
+            found.update(self._rows(0, sql, [i for part in groups.values() for i in part]))
+        return [codec.decode(found[i]) for i in ids if i in found]
 
 
 def _check_same_bytes(env: Env, sample: dict[str, Any]) -> None:
@@ -181,6 +248,7 @@ def run_backend(
         ds, ds4, ds1 = env.ds, env.extra["scatter4"], env.extra["scatter1"]
         by_user = env.extra["byuser"]
         raw = Raw(env)
+        layout = RawLayout(env)
         rng = random.Random(11)
         users = [os.urandom(16) for _ in range(USERS)]
         people = [friendfeed_entity(user_id=u) for u in users for _ in range(PER_USER)]
@@ -200,6 +268,9 @@ def run_backend(
         u = users[0]
         assert len(USER_INDEX.get_all(ds, user_id=u)) == PER_USER
         assert len(raw.user_lookup(u)) == PER_USER
+        assert [e["id"] for e in layout.user_lookup(u)] == [
+            e["id"] for e in USER_INDEX.get_all(ds, user_id=u)
+        ]
         assert len(USER_INDEX.get_all(by_user, user_id=u)) == PER_USER
         since = BASE + 700 * 1000
         expect = [e["id"] for e in posts[700 : 700 + LIMIT]]
@@ -233,6 +304,12 @@ def run_backend(
                 some_users,
             ),
             Work(
+                f"index lookup, user x{PER_USER}, raw on the same {SHARDS} shards",
+                lambda uid: USER_INDEX.get_all(ds, user_id=uid),
+                layout.user_lookup,
+                some_users,
+            ),
+            Work(
                 f"index lookup, user x{PER_USER}, shard_key=user_id",
                 lambda uid: USER_INDEX.get_all(by_user, user_id=uid),
                 raw.user_lookup,
@@ -256,6 +333,7 @@ def run_backend(
                     f"raw {r.raw_rate:>9,.0f}/s  ratio {r.ratio:.2f}  "
                     f"({time.perf_counter() - t0:.1f}s)"
                 )
+        layout.close()
         # The target itself: 4 shards against 1 shard, interleaved round by round.
         vs = Work("4 vs 1 shard", q4, q1, starts)
         head = compare(vs, env.label, rounds=rounds, seconds=seconds)

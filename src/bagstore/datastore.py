@@ -28,7 +28,7 @@ from bagstore.backends import (
     check_identifier,
     open_backend,
 )
-from bagstore.backends.base import TOGETHER_MAX_IDS, get_bodies_together
+from bagstore.backends.base import TOGETHER_MAX_IDS, read_bodies_together
 from bagstore.backends.indexsql import scan_index_together
 from bagstore.cache import open_layer
 from bagstore.cache import request as _request
@@ -623,35 +623,50 @@ class Datastore:
         return self._fetch_many([entity_id]).get(entity_id)
 
     def _fetch_many(self, ids: Iterable[bytes]) -> dict[bytes, Stored]:
+        """``{id: Stored}`` of the ids that exist (what the cache layer keeps)."""
+        return {r[0]: Stored(r[1], r[2], r[3]) for r in self._read_rows(ids, stamps=True)}
+
+    def _fetch_bodies(self, ids: Iterable[bytes]) -> dict[bytes, bytes]:
+        """``{id: encoded body}`` of the ids that exist (reads with no cache level)."""
+        return {r[0]: r[1] for r in self._read_rows(ids, stamps=False)}
+
+    def _read_rows(self, ids: Iterable[bytes], *, stamps: bool) -> list[tuple[Any, ...]]:
         wanted = list(dict.fromkeys(ids))
-        found = self._fetch_at(self._placer.locate(wanted))
+        rows = self._rows_at(self._placer.locate(wanted), stamps)
         if self._placer.keyed:  # a stale or missing lookup row: look everywhere
+            found = {r[0] for r in rows}
             lost = [i for i in wanted if i not in found]
             if lost:
-                found.update(self._fetch_at(self._placer.search(lost)))
-        return found
+                rows += self._rows_at(self._placer.search(lost), stamps)
+        return rows
 
-    def _fetch_at(self, where: Mapping[bytes, int]) -> dict[bytes, Stored]:
-        """Bodies of ids whose buckets are known: one query per shard, or one for
-        all the shards that share a server and login (see ``_together``)."""
+    def _rows_at(self, where: Mapping[bytes, int], stamps: bool) -> list[tuple[Any, ...]]:
+        """Rows (see ``Backend.read_bodies``) of ids whose buckets are known: one
+        query per shard, or one for all the shards that share a server and
+        login (see ``_together``)."""
         groups: dict[int, list[bytes]] = defaultdict(list)
+        shard_of = self._shard_of_bucket
         for entity_id, bucket in where.items():
-            groups[self._shard_of_bucket[bucket]].append(entity_id)
+            groups[shard_of[bucket]].append(entity_id)
+        if len(groups) == 1:
+            ((shard, only),) = groups.items()
+            return self._backends[shard].read_bodies(self.kind, only, stamps=stamps)
 
-        def read(job: list[int]) -> dict[bytes, Stored]:
+        def read(job: list[int]) -> list[tuple[Any, ...]]:
             if len(job) == 1:
-                return self._backends[job[0]].get_bodies(self.kind, groups[job[0]])
-            return get_bodies_together(self.kind, [(self._backends[k], groups[k]) for k in job])
+                return self._backends[job[0]].read_bodies(self.kind, groups[job[0]], stamps=stamps)
+            parts = [(self._backends[k], groups[k]) for k in job]
+            return read_bodies_together(self.kind, parts, stamps=stamps)
 
-        found: dict[bytes, Stored] = {}
         shards = list(groups)
         if len(where) <= TOGETHER_MAX_IDS:
             jobs = self._together(shards, self._backends.__getitem__)
         else:  # too many ids for one statement
             jobs = [[k] for k in shards]
+        rows: list[tuple[Any, ...]] = []
         for part in self._map(read, jobs):
-            found.update(part)
-        return found
+            rows += part
+        return rows
 
     @staticmethod
     def _together(items: Sequence[T], backend_of: Callable[[T], Backend]) -> list[list[T]]:
@@ -678,7 +693,10 @@ class Datastore:
             for s, rows in zip(job, pages, strict=True):
                 s.accept(rows)
 
-        self._map(read, self._together(streams, lambda s: s.backend))
+        if len(streams) == 1:
+            streams[0].fetch()
+        else:
+            self._map(read, self._together(streams, lambda s: s.backend))
 
     def _delete_at(
         self,
@@ -711,6 +729,10 @@ class Datastore:
             raise InvalidQuery("get_many takes a list of ids, not one id")
         wanted = [_check_id(i, InvalidQuery) for i in ids]
         self.refresh_placement()
+        if self._cache.cache is None and _current_request.get() is None:
+            bodies = self._fetch_bodies(wanted)
+            decode = codec.decode
+            return [decode(bodies[i]) if i in bodies else None for i in wanted]
         return self._cache.get_many(wanted, self._fetch_many)
 
     # -- queries -------------------------------------------------------------------
@@ -736,7 +758,8 @@ class Datastore:
                 "indexes=[...] or run `bagstore index add`",
                 suggestion=repr(index),
             )
-        if registry.by_table[index.table][0] != index:
+        registered = registry.by_table[index.table][0]
+        if registered is not index and registered != index:
             raise InvalidQuery(
                 f"index {index.table!r} is registered as {registry.by_table[index.table][0]!r}"
             )
@@ -821,6 +844,9 @@ class Datastore:
         return [_Stream(self._backends[i], scan, page) for i, scan in scans.items()]
 
     def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
+        if self._cache.cache is None and _current_request.get() is None:
+            decode = codec.decode
+            return {i: decode(body) for i, body in self._fetch_bodies(ids).items()}
         return self._cache.decoded(ids, self._fetch_many)
 
     # -- scale-out -----------------------------------------------------------------

@@ -54,7 +54,7 @@ class Index:
     albums alone); see ``docs/cache.md``.
     """
 
-    __slots__ = ("isolate_key", "properties", "shard_on", "table", "unique")
+    __slots__ = ("_json", "isolate_key", "properties", "shard_on", "table", "unique")
 
     def __init__(
         self,
@@ -104,6 +104,9 @@ class Index:
         self.shard_on = shard
         self.unique = unique
         self.isolate_key = isolate_key
+        #: The definition as JSON: what equality and hashing compare (an Index
+        #: is not changed after it is made).
+        self._json = json.dumps(self.definition(), sort_keys=True)
 
     # -- identity ----------------------------------------------------------------
     def definition(self) -> dict[str, Any]:
@@ -118,7 +121,7 @@ class Index:
         return out
 
     def to_json(self) -> str:
-        return json.dumps(self.definition(), sort_keys=True)
+        return self._json
 
     @classmethod
     def from_json(cls, text: str) -> Index:
@@ -128,10 +131,10 @@ class Index:
             raise ConfigurationError(f"bad index definition in the catalog: {text!r}") from exc
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Index) and self.definition() == other.definition()
+        return isinstance(other, Index) and self._json == other._json
 
     def __hash__(self) -> int:
-        return hash(self.to_json())
+        return hash(self._json)
 
     def __repr__(self) -> str:
         unique = ", unique=True" if self.unique else ""

@@ -53,19 +53,46 @@ class QueryResult(list[dict[str, Any]]):
         self.cursor = cursor
 
 
+#: Exact types whose Python comparisons agree with their index encodings (str
+#: by code point, as UTF-8 bytes compare; bytes bytewise; int numerically), so
+#: that a filter on values of one of them re-checks an entity's value of the
+#: same type without encoding it.
+_PLAIN = (str, bytes, int)
+
+
 @dataclass(frozen=True)
 class Filter:
-    """One parsed filter: ``prop``, a lookup, the value(s) and their full keys."""
+    """One parsed filter: ``prop``, a lookup, the value(s) and their full keys.
+
+    ``plain`` is the one exact type of every value when it is str, bytes or
+    int (else None), and ``values`` those values: the re-check's shortcut.
+    """
 
     prop: str
     op: str
     value: Any
     keys: tuple[bytes, ...]
+    plain: type | None = field(default=None, compare=False)
+    values: frozenset[Any] = field(default=frozenset(), compare=False)
 
     def matches(self, entity: Mapping[str, Any]) -> bool:
         """Whether any of the entity's values for ``prop`` satisfies the filter."""
+        v = entity.get(self.prop)
+        if type(v) is self.plain:  # same exact type: Python decides as the keys would
+            op = self.op
+            if op == "eq" or op == "in":
+                return v in self.values
+            w = self.value
+            if op == "gt":
+                return bool(v > w)
+            if op == "gte":
+                return bool(v >= w)
+            return bool(v < w) if op == "lt" else bool(v <= w)
+        return self._matches_keys(v)
+
+    def _matches_keys(self, v: object) -> bool:
         op = self.op
-        for k in keys.index_keys(entity.get(self.prop)):
+        for k in keys.index_keys(v):
             if op in ("eq", "in"):
                 if k in self.keys:
                     return True
@@ -111,7 +138,18 @@ def parse_filters(filters: Mapping[str, Any]) -> list[Filter]:
                 encoded.append(keys.encode_value(v))
             except keys.UnindexableValue as exc:
                 raise InvalidQuery(f"filter {name!r}: {exc}") from None
-        out.append(Filter(prop, op, value, tuple(dict.fromkeys(encoded))))
+        types = {type(v) for v in values}
+        plain = types.pop() if len(types) == 1 else None
+        out.append(
+            Filter(
+                prop,
+                op,
+                value,
+                tuple(dict.fromkeys(encoded)),
+                plain if plain in _PLAIN else None,
+                frozenset(values) if plain in _PLAIN else frozenset(),
+            )
+        )
     return out
 
 
@@ -295,7 +333,14 @@ class _Stream:
 def stale(plan: Plan, row: tuple[bytes, ...], entity: Mapping[str, Any]) -> bool:
     """True if the row holds order-column values the entity no longer has."""
     for stored, prop in zip(row, plan.order_props, strict=False):
-        if not any(k[: keys.KEY_LIMIT] == stored for k in keys.index_keys(entity.get(prop))):
+        v = entity.get(prop)
+        if type(v) is not list:  # one value: one key to compare
+            try:
+                if keys.encode_value(v)[: keys.KEY_LIMIT] != stored:
+                    return True
+            except keys.UnindexableValue:
+                return True
+        elif not any(k[: keys.KEY_LIMIT] == stored for k in keys.index_keys(v)):
             return True
     return False
 
@@ -324,7 +369,10 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
     for s in streams:
         s.scan.after = after
     source.fetch_streams(streams)
-    merged = heapq.merge(*streams, reverse=plan.desc)
+    # One shard's scan is in index order already; several are merged.
+    merged = iter(streams[0]) if len(streams) == 1 else heapq.merge(*streams, reverse=plan.desc)
+    filters = plan.filters
+    check_rows = bool(plan.order_props)
     results: list[dict[str, Any]] = []
     seen: set[bytes] = set()
     last: tuple[bytes, ...] | None = None
@@ -334,13 +382,16 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
     while len(results) < want and not exhausted:
         rows = list(itertools.islice(merged, batch))
         exhausted = len(rows) < batch
-        entities = source.fetch_for_query(list(dict.fromkeys(r[-1] for r in rows)))
+        entities = source.fetch_for_query(list(dict.fromkeys([r[-1] for r in rows])))
         for i, row in enumerate(rows):
             entity_id = row[-1]
             entity = entities.get(entity_id)
-            if entity is None or entity_id in seen or stale(plan, row, entity):
+            if entity is None or entity_id in seen or (check_rows and stale(plan, row, entity)):
                 continue
-            if all(f.matches(entity) for f in plan.filters):
+            for f in filters:
+                if not f.matches(entity):
+                    break
+            else:
                 results.append(entity)
                 seen.add(entity_id)
                 last = row

@@ -31,7 +31,7 @@ __all__ = [
     "EntityRow",
     "Stored",
     "check_identifier",
-    "get_bodies_together",
+    "read_bodies_together",
     "translate_errors",
 ]
 
@@ -163,11 +163,19 @@ class Dialect:
         raise NotImplementedError
 
     def select_bodies_sql(
-        self, kind: str, n: int, lock: bool = False, schema: str | None = None
+        self,
+        kind: str,
+        n: int,
+        lock: bool = False,
+        schema: str | None = None,
+        stamps: bool = True,
     ) -> str:
+        """``SELECT id, body, version, updated`` of ``n`` ids (``id, body``
+        without ``stamps``: a reader that needs only the bodies saves the
+        driver two columns of every row)."""
         table = self.q(kind) if schema is None else f"{self.q(schema)}.{self.q(kind)}"
         sql = (
-            f"SELECT id, body, version, updated FROM {table} WHERE id"
+            f"SELECT id, body{', version, updated' if stamps else ''} FROM {table} WHERE id"
             f"{' = ' + self.param if n == 1 else ' IN (' + self.params(n) + ')'}"
         )
         return sql + self.for_update if lock else sql
@@ -225,7 +233,7 @@ class Backend(BucketOps, IndexOps):
         self.server = server
         #: Shards with the same (not None) ``together`` key are databases that one
         #: connection of any of them can read (same server, same login): their
-        #: reads can share one statement (see :func:`get_bodies_together`).
+        #: reads can share one statement (see :func:`read_bodies_together`).
         self.together: tuple[Any, ...] | None = None
         #: This shard's database name, qualifying its tables in such a statement.
         self.schema: str | None = None
@@ -467,17 +475,24 @@ class Backend(BucketOps, IndexOps):
 
     def get_body(self, kind: str, entity_id: bytes) -> bytes | None:
         """One entity's encoded body on this shard, or None: one statement."""
-        row = self.run(_fetchone, self.sql("select_bodies_sql", kind, 1), (entity_id,))
+        sql = self.sql("select_bodies_sql", kind, 1, False, None, False)
+        row = self.run(_fetchone, sql, (entity_id,))
         return None if row is None else bytes(row[1])
 
     def get_bodies(self, kind: str, ids: Sequence[bytes]) -> dict[bytes, Stored]:
         """``{id: Stored(body, version, updated)}`` of the ids present on this shard."""
+        return {r[0]: Stored(r[1], r[2], r[3]) for r in self.read_bodies(kind, ids, stamps=True)}
+
+    def read_bodies(
+        self, kind: str, ids: Sequence[bytes], *, stamps: bool
+    ) -> list[tuple[Any, ...]]:
+        """Rows ``(id, body, version, updated)`` (``(id, body)`` without
+        ``stamps``) of the ids present on this shard, as the driver returns them:
+        bytes and ints."""
         if not ids:
-            return {}
-        sql = self.sql("select_bodies_sql", kind, len(ids))
-        return {
-            bytes(r[0]): Stored(bytes(r[1]), int(r[2]), int(r[3])) for r in self.fetchall(sql, ids)
-        }
+            return []
+        sql = self.sql("select_bodies_sql", kind, len(ids), False, None, stamps)
+        return self.fetchall(sql, ids)
 
     def _chunks(self, rows: Sequence[EntityRow]) -> Iterator[Sequence[EntityRow]]:
         """Split rows so that one statement stays under ``max_statement_bytes``."""
@@ -654,21 +669,20 @@ class Backend(BucketOps, IndexOps):
 TOGETHER_MAX_IDS = 2000
 
 
-def get_bodies_together(
-    kind: str, parts: Sequence[tuple[Backend, Sequence[bytes]]]
-) -> dict[bytes, Stored]:
-    """Bodies of ids on several shards with one ``together`` key, in one
-    statement on the first shard's connection (one round trip instead of one
-    per shard); each part reads only its own database."""
+def read_bodies_together(
+    kind: str, parts: Sequence[tuple[Backend, Sequence[bytes]]], *, stamps: bool
+) -> list[tuple[Any, ...]]:
+    """:meth:`Backend.read_bodies` of ids on several shards with one ``together``
+    key, in one statement on the first shard's connection (one round trip
+    instead of one per shard); each part reads only its own database."""
     lead = parts[0][0]
     d = lead.dialect
     selects: list[str] = []
     params: list[Any] = []
     for backend, ids in parts:
-        selects.append(d.select_bodies_sql(kind, len(ids), schema=backend.schema))
+        selects.append(d.select_bodies_sql(kind, len(ids), schema=backend.schema, stamps=stamps))
         params.extend(ids)
-    rows = lead.fetchall(d.union_all_sql(selects), params)
-    return {bytes(r[0]): Stored(bytes(r[1]), int(r[2]), int(r[3])) for r in rows}
+    return lead.fetchall(d.union_all_sql(selects), params)
 
 
 def _fetchone(conn: Any, sql: str, params: Sequence[Any]) -> Any:

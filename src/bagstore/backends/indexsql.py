@@ -9,6 +9,7 @@ has ``claimed``: when its row was claimed, in microseconds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -65,50 +66,83 @@ def scan_sql(
     """``SELECT <order columns> FROM t WHERE ... ORDER BY ... LIMIT n``; with
     ``schema``, the table of that database; with ``tag``, the number ``tag`` as
     a first column (to tell the parts of a UNION apart)."""
-    where: list[str] = []
     params: list[Any] = []
-    for col, values in zip(s.columns, s.eq, strict=False):
-        if len(values) == 1:
-            where.append(f"{d.q(col)} = {d.param}")
-        else:
-            where.append(f"{d.q(col)} IN ({d.params(len(values))})")
+    for values in s.eq:
         params.extend(values)
-    order = s.order_columns
     if s.lower is not None:
-        where.append(f"{d.q(order[0])} {'>=' if s.lower[1] else '>'} {d.param}")
         params.append(s.lower[0])
     if s.upper is not None:
-        where.append(f"{d.q(order[0])} {'<=' if s.upper[1] else '<'} {d.param}")
         params.append(s.upper[0])
     if s.after is not None:
-        cond, cparams = _keyset(d, order, s.after, "<" if s.desc else ">")
-        where.append(cond)
-        params.extend(cparams)
-    direction = " DESC" if s.desc else ""
-    table = d.q(s.table) if schema is None else f"{d.q(schema)}.{d.q(s.table)}"
-    first = "" if tag is None else f"{int(tag)} AS bagstore_part, "
-    sql = (
-        f"SELECT {first}{', '.join(d.q(c) for c in order)} FROM {table}"
-        + (f" WHERE {' AND '.join(where)}" if where else "")
-        + f" ORDER BY {', '.join(d.q(c) + direction for c in order)} LIMIT {int(s.limit)}"
+        after = s.after
+        if len(after) != len(s.order_columns):
+            raise ValueError("cursor does not match the index columns")
+        params.append(after[0])
+        for value in after[:-1]:
+            params += (value, value)
+        params.append(after[-1])
+    sql = _scan_text(
+        d,
+        s.table,
+        s.columns,
+        tuple(len(v) for v in s.eq),
+        None if s.lower is None else s.lower[1],
+        None if s.upper is None else s.upper[1],
+        s.after is not None,
+        s.desc,
+        int(s.limit),
+        schema,
+        None if tag is None else int(tag),
     )
     return sql, params
 
 
-def _keyset(
-    d: Dialect, cols: Sequence[str], after: Sequence[bytes], op: str
-) -> tuple[str, list[Any]]:
+@functools.lru_cache(maxsize=4096)
+def _scan_text(
+    d: Dialect,
+    table: str,
+    columns: tuple[str, ...],
+    eq_counts: tuple[int, ...],
+    lower: bool | None,
+    upper: bool | None,
+    after: bool,
+    desc: bool,
+    limit: int,
+    schema: str | None,
+    tag: int | None,
+) -> str:
+    """The text of :func:`scan_sql` for scans of one shape (built once)."""
+    where: list[str] = []
+    for col, count in zip(columns, eq_counts, strict=False):
+        if count == 1:
+            where.append(f"{d.q(col)} = {d.param}")
+        else:
+            where.append(f"{d.q(col)} IN ({d.params(count)})")
+    order = (*columns[len(eq_counts) :], ENTITY_ID)
+    if lower is not None:
+        where.append(f"{d.q(order[0])} {'>=' if lower else '>'} {d.param}")
+    if upper is not None:
+        where.append(f"{d.q(order[0])} {'<=' if upper else '<'} {d.param}")
+    if after:
+        where.append(_keyset(d, order, "<" if desc else ">"))
+    direction = " DESC" if desc else ""
+    name = d.q(table) if schema is None else f"{d.q(schema)}.{d.q(table)}"
+    first = "" if tag is None else f"{tag} AS bagstore_part, "
+    return (
+        f"SELECT {first}{', '.join(d.q(c) for c in order)} FROM {name}"
+        + (f" WHERE {' AND '.join(where)}" if where else "")
+        + f" ORDER BY {', '.join(d.q(c) + direction for c in order)} LIMIT {limit}"
+    )
+
+
+def _keyset(d: Dialect, cols: Sequence[str], op: str) -> str:
     """``(a, b, c) > (x, y, z)`` spelled so every optimiser uses the index:
-    ``a >= x AND (a > x OR (a = x AND (b > y OR (b = y AND c > z))))``."""
-    if len(cols) != len(after):
-        raise ValueError("cursor does not match the index columns")
+    ``a >= x AND (a > x OR (a = x AND (b > y OR (b = y AND c > z))))``; the
+    parameters are ``x, x, x, y, y, z`` (see :func:`scan_sql`)."""
     inner = f"{d.q(cols[-1])} {op} {d.param}"
-    params: list[Any] = [after[-1]]
-    for col, value in zip(reversed(cols[:-1]), reversed(after[:-1]), strict=True):
+    for col in reversed(cols[:-1]):
         inner = f"{d.q(col)} {op} {d.param} OR ({d.q(col)} = {d.param} AND ({inner}))"
-        params = [value, value, *params]
-    first = f"{d.q(cols[0])} {op}= {d.param}"
-    return f"{first} AND ({inner})", [after[0], *params]
+    return f"{d.q(cols[0])} {op}= {d.param} AND ({inner})"
 
 
 def _row_match(d: Dialect, columns: Sequence[str], n: int) -> str:
@@ -210,7 +244,7 @@ class IndexOps:
     def scan_index(self, scan: Scan) -> list[tuple[bytes, ...]]:
         self.scans += 1
         sql, params = scan_sql(self.dialect, scan)
-        return [tuple(bytes(v) for v in row) for row in self.fetchall(sql, params)]
+        return self.fetchall(sql, params)  # tuples of bytes, as every driver gives them
 
     # -- unique claims -----------------------------------------------------------
     def claim(
@@ -305,7 +339,7 @@ def scan_index_together(parts: Sequence[tuple[IndexOps, Scan]]) -> list[list[tup
         params.extend(p)
     out: list[list[tuple[bytes, ...]]] = [[] for _ in parts]
     for row in lead.fetchall(d.union_all_sql(selects), params):
-        out[int(row[0])].append(tuple(bytes(v) for v in row[1:]))
+        out[int(row[0])].append(row[1:])
     # SQL keeps no order across a UNION: put each part back in index order (the
     # columns compare bytewise, as Python compares these tuples).
     for rows, (_, scan) in zip(out, parts, strict=True):

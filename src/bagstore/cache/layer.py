@@ -416,14 +416,14 @@ class CacheLayer:
         """One page of a query: level 1, level 2 (under the scopes' revisions),
         else ``run()`` (whose ids are then cached).  ``load`` reads entities from
         the database; a cached page is rebuilt through the entity cache."""
-        if not cacheable:
+        rc = current()
+        if not cacheable or (rc is None and self.cache is None):
             return run()
 
         def fetch(ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
             return self.decoded(ids, load)
 
         base = f"{plan.fingerprint()}|{limit!r}|{cursor!r}"
-        rc = current()
         if rc is not None:
             page = rc.lists.get(self.prefix + base)
             if page is not None:
