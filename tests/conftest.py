@@ -75,6 +75,15 @@ class Topology:
             self._cleanup()
 
 
+#: ``BAGSTORE_TEST_MYSQL_DRIVER=mysqlclient`` runs the MariaDB topologies on
+#: mysqlclient instead of PyMySQL.
+DRIVER = (
+    f"?driver={os.environ['BAGSTORE_TEST_MYSQL_DRIVER']}"
+    if os.environ.get("BAGSTORE_TEST_MYSQL_DRIVER")
+    else ""
+)
+
+
 def _mysql_topology(
     name: str, hosts: list[tuple[servers.MySQLAddress | servers.MariaDBServer, int]]
 ) -> Topology:
@@ -84,7 +93,7 @@ def _mysql_topology(
         names = [servers.unique_name(name) for _ in range(count)]
         # bagstore creates missing databases itself; the fixture only drops them.
         made.append((server, names))
-        urls += [f"mysql://root@{server.host}:{server.port}/{n}" for n in names]
+        urls += [f"mysql://root@{server.host}:{server.port}/{n}{DRIVER}" for n in names]
 
     def cleanup() -> None:
         for server, names in made:

@@ -122,30 +122,42 @@ class Dialect:
         """A secondary index created with its table (SQLite) or after it."""
         raise NotImplementedError
 
-    def owned_sql(self, n: int) -> str:
-        """Ownership rows of ``n`` buckets, share-locked until the transaction ends."""
-        return (
-            f"SELECT bucket, state FROM bagstore_owned WHERE bucket IN ({self.params(n)})"
-            + self.share_lock
-        )
+    def locked_read_sql(self, kind: str, buckets: int, ids: int) -> str:
+        """For a write transaction, one statement: the ownership rows of
+        ``buckets`` buckets, share-locked until the transaction ends, as
+        ``(bucket, state, NULL, NULL, NULL, NULL)``; then the rows of ``ids``
+        ids, locked for update, as ``(NULL, NULL, id, body, version, updated)``."""
+        parts = []
+        if buckets:
+            parts.append(
+                "SELECT bucket, state, NULL, NULL, NULL, NULL FROM bagstore_owned "
+                f"WHERE bucket IN ({self.params(buckets)})" + self.share_lock
+            )
+        if ids:
+            parts.append(
+                f"SELECT NULL, NULL, id, body, version, updated FROM {self.q(kind)} "
+                f"WHERE id IN ({self.params(ids)})" + self.for_update
+            )
+        return self.union_all_sql(parts)
 
     def fenced_insert_sql(
         self, table: str, columns: Sequence[str], rows: int, *, ignore: bool
     ) -> str:
         """Insert rows whose ``bagstore_bucket`` this shard owns (others are
-        dropped); with ``ignore``, rows already present are left alone."""
+        dropped); with ``ignore``, rows already present are left alone.  The
+        parameters are each row's values followed by its bucket once more."""
         raise NotImplementedError
 
     def _fenced_select(self, columns: Sequence[str], rows: int) -> str:
-        """``SELECT v.k0, ... FROM (<rows of parameters>) v JOIN bagstore_owned``."""
-        aliases = [f"k{i}" for i in range(len(columns))]
-        first = "SELECT " + ", ".join(f"{self.param} AS {a}" for a in aliases)
-        more = " UNION ALL SELECT " + self.params(len(columns))
-        bucket = aliases[columns.index(BUCKET)]
-        return (
-            f"SELECT {', '.join('v.' + a for a in aliases)} FROM ({first}{more * (rows - 1)}) v "
-            f"JOIN bagstore_owned o ON o.bucket = v.{bucket} AND o.state = 0"
+        """``SELECT <row's values> FROM bagstore_owned WHERE bucket = <its
+        bucket> AND state = 0``, one part per row joined by UNION ALL: the
+        ownership row is read (and share-locked, where the dialect locks) by
+        primary key, with no derived table to build."""
+        one = (
+            f"SELECT {self.params(len(columns))} FROM bagstore_owned "
+            f"WHERE bucket = {self.param} AND state = 0"
         )
+        return " UNION ALL ".join([one] * rows)
 
     def fenced_upsert_sql(self, kind: str) -> str:
         """Upsert one entity only if this shard owns its bucket (0 rows if not)."""
@@ -181,9 +193,9 @@ class Dialect:
         return sql + self.for_update if lock else sql
 
     def union_all_sql(self, parts: Sequence[str]) -> str:
-        """One statement returning the rows of every part, each in parentheses
-        (so that a part may have its own ORDER BY and LIMIT)."""
-        return " UNION ALL ".join(f"({p})" for p in parts)
+        """One statement returning the rows of every part (parts with their own
+        ORDER BY, LIMIT or lock clause only where the dialect allows them)."""
+        return " UNION ALL ".join(parts)
 
     def delete_entities_sql(self, kind: str, n: int) -> str:
         cond = f" = {self.param}" if n == 1 else f" IN ({self.params(n)})"
@@ -243,13 +255,13 @@ class Backend(BucketOps, IndexOps):
         self.scans = 0
         self._sql_memo: dict[tuple[Any, ...], str] = {}
 
-    def sql(self, builder: str, *args: Any) -> str:
-        """``self.dialect.<builder>(*args)``, built once per process: the hot
-        statements' text is the same for every call with the same shape."""
-        key = (builder, *args)
+    def sql(self, builder: str, *args: Any, **kwargs: Any) -> str:
+        """``self.dialect.<builder>(*args, **kwargs)``, built once per process:
+        the hot statements' text is the same for every call with the same shape."""
+        key = (builder, *args, *kwargs.items()) if kwargs else (builder, *args)
         text = self._sql_memo.get(key)
         if text is None:
-            text = self._sql_memo[key] = getattr(self.dialect, builder)(*args)
+            text = self._sql_memo[key] = getattr(self.dialect, builder)(*args, **kwargs)
         return text
 
     # -- connections ---------------------------------------------------------
@@ -538,37 +550,45 @@ class Backend(BucketOps, IndexOps):
                 return {}
             old: dict[bytes, bytes] = {}
             with self.transaction(conn) as cur:
-                self._check_owned_in(cur, [r.bucket for r in rows])
-                if read_old:
-                    ids = [r.id for r in rows]
-                    for start in range(0, len(ids), 1000):
-                        part = ids[start : start + 1000]
-                        cur.execute(self.sql("select_bodies_sql", kind, len(part), True), part)
-                        for r in cur.fetchall():
-                            old[bytes(r[0])] = bytes(r[1])
-                            if versions is not None:
-                                versions[bytes(r[0])] = int(r[2]) + 1
+                ids = [r.id for r in rows] if read_old else []
+                for found in self._locked_read(cur, kind, [r.bucket for r in rows], ids):
+                    old[found[0]] = found[1]
                     if versions is not None:
-                        for r in rows:
-                            versions.setdefault(r.id, 1)
+                        versions[found[0]] = found[2] + 1
+                if read_old and versions is not None:
+                    for r in rows:
+                        versions.setdefault(r.id, 1)
                 for chunk in self._chunks(rows):
                     cur.execute(self.sql("upsert_entities_sql", kind, len(chunk)), _flatten(chunk))
             return old
 
         return self.run(work)
 
-    def _check_owned_in(self, cur: Any, buckets: Sequence[int]) -> None:
+    def _locked_read(
+        self, cur: Any, kind: str, buckets: Sequence[int], ids: Sequence[bytes]
+    ) -> list[tuple[Any, ...]]:
         """Inside a write transaction: lock the buckets' ownership rows (shared)
-        and raise unless this shard owns them all."""
+        and raise unless this shard owns them all; lock the rows of ``ids`` and
+        return them as ``(id, body, version, updated)``.  One statement for up to
+        1,000 buckets and 1,000 ids."""
         wanted = sorted(set(buckets))
         states: dict[int, int] = {}
-        for start in range(0, len(wanted), 1000):
-            part = wanted[start : start + 1000]
-            cur.execute(self.sql("owned_sql", len(part)), part)
-            states.update({int(b): int(s) for b, s in cur.fetchall()})
+        found: list[tuple[Any, ...]] = []
+        for start in range(0, max(len(wanted), len(ids)), 1000):
+            some = wanted[start : start + 1000]
+            part = ids[start : start + 1000]
+            cur.execute(self.sql("locked_read_sql", kind, len(some), len(part)), [*some, *part])
+            # int(): a UNION of NULL and an integer column may come back as
+            # DECIMAL (MariaDB does so for INT UNSIGNED).
+            for r in cur.fetchall():
+                if r[0] is not None:
+                    states[int(r[0])] = int(r[1])
+                else:
+                    found.append((r[2], r[3], int(r[4]), int(r[5])))
         error = ownership_error(self.name, wanted, states)
         if error is not None:
             raise error
+        return found
 
     def delete_entities(
         self,
@@ -585,18 +605,15 @@ class Backend(BucketOps, IndexOps):
 
         def work(conn: Any) -> dict[bytes, bytes | None]:
             with self.transaction(conn) as cur:
-                self._check_owned_in(cur, buckets)
                 found: dict[bytes, bytes | None] = {}
-                for start in range(0, len(ids), 1000):
-                    part = list(ids[start : start + 1000])
-                    cur.execute(self.sql("select_bodies_sql", kind, len(part), True), part)
-                    rows = cur.fetchall()
-                    for r in rows:
-                        found[bytes(r[0])] = bytes(r[1]) if read_old else None
-                        if versions is not None:
-                            versions[bytes(r[0])] = int(r[2])
-                    if rows:
-                        cur.execute(self.sql("delete_entities_sql", kind, len(part)), part)
+                for r in self._locked_read(cur, kind, buckets, ids):
+                    found[r[0]] = r[1] if read_old else None
+                    if versions is not None:
+                        versions[r[0]] = r[2]
+                present = list(found)
+                for start in range(0, len(present), 1000):
+                    part = present[start : start + 1000]
+                    cur.execute(self.sql("delete_entities_sql", kind, len(part)), part)
                 return found
 
         if not ids:

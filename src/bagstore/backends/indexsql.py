@@ -145,9 +145,20 @@ def _keyset(d: Dialect, cols: Sequence[str], op: str) -> str:
     return f"{d.q(cols[0])} {op}= {d.param} AND ({inner})"
 
 
-def _row_match(d: Dialect, columns: Sequence[str], n: int) -> str:
+@functools.lru_cache(maxsize=1024)
+def _delete_rows_text(
+    d: Dialect, table: str, columns: tuple[str, ...], n: int, fenced: bool
+) -> str:
+    """``DELETE`` of ``n`` index rows named by their keys and entity id; with
+    ``fenced``, only rows of buckets this shard owns."""
     one = " AND ".join(f"{d.q(c)} = {d.param}" for c in (*columns, ENTITY_ID))
-    return " OR ".join([f"({one})"] * n)
+    sql = f"DELETE FROM {d.q(table)} WHERE ({' OR '.join([f'({one})'] * n)})"
+    if fenced:
+        sql += (
+            " AND EXISTS (SELECT 1 FROM bagstore_owned o "
+            f"WHERE o.bucket = {d.q(table)}.{BUCKET} AND o.state = 0)"
+        )
+    return sql
 
 
 class IndexOps:
@@ -161,6 +172,9 @@ class IndexOps:
     index_rows_per_statement: int
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        raise NotImplementedError
+
+    def sql(self, builder: str, *args: Any, **kwargs: Any) -> str:
         raise NotImplementedError
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
@@ -203,12 +217,15 @@ class IndexOps:
         for start in range(0, len(rows), step):
             chunk = rows[start : start + step]
             if fenced:
-                sql = self.dialect.fenced_insert_sql(table, cols, len(chunk), ignore=True)
+                sql = self.sql("fenced_insert_sql", table, cols, len(chunk), ignore=True)
             else:
-                sql = self.dialect.insert_ignore_sql(table, cols, len(chunk))
-            n = self.execute(
-                sql, [v for r in chunk for v in (*r.keys, r.entity_id, r.bucket, *extra)]
-            )
+                sql = self.sql("insert_ignore_sql", table, cols, len(chunk))
+            params = [
+                v
+                for r in chunk
+                for v in (*r.keys, r.entity_id, r.bucket, *extra, *((r.bucket,) if fenced else ()))
+            ]
+            n = self.execute(sql, params)
             if fenced and n < len(chunk):  # duplicates, or buckets not owned here
                 self.check_owned([r.bucket for r in chunk])
             written += n
@@ -226,15 +243,10 @@ class IndexOps:
         StalePlacement / KeyMigrating is raised if a bucket is not owned (a writer
         with a stale placement must not delete on a shard that has let the bucket
         go: the owner would keep the row)."""
-        d, removed = self.dialect, 0
+        removed = 0
         for start in range(0, len(rows), 200):
             chunk = rows[start : start + 200]
-            sql = f"DELETE FROM {d.q(table)} WHERE ({_row_match(d, columns, len(chunk))})"
-            if fenced:
-                sql += (
-                    " AND EXISTS (SELECT 1 FROM bagstore_owned o "
-                    f"WHERE o.bucket = {d.q(table)}.{BUCKET} AND o.state = 0)"
-                )
+            sql = _delete_rows_text(self.dialect, table, tuple(columns), len(chunk), fenced)
             n = self.execute(sql, [v for r in chunk for v in (*r.keys, r.entity_id)])
             if fenced and n < len(chunk):  # gone already, or buckets not owned here
                 self.check_owned([r.bucket for r in chunk])
@@ -258,9 +270,9 @@ class IndexOps:
         """
         d = self.dialect
         cols = (*columns, ENTITY_ID, BUCKET, CLAIMED)
-        sql = d.fenced_insert_sql(table, cols, 1, ignore=False)
+        sql = self.sql("fenced_insert_sql", table, cols, 1, ignore=False)
         try:
-            if self.execute(sql, [*row.keys, row.entity_id, row.bucket, now]) == 1:
+            if self.execute(sql, [*row.keys, row.entity_id, row.bucket, now, row.bucket]) == 1:
                 return None
             self.check_owned([row.bucket])  # raises: the bucket is not owned here
             raise AssertionError("fenced insert wrote nothing in an owned bucket")

@@ -108,6 +108,10 @@ class MySQLDialect(Dialect):
             f"ON DUPLICATE KEY UPDATE {first} = {first}"
         )
 
+    def union_all_sql(self, parts: Sequence[str]) -> str:
+        # Each part in parentheses: it may have its own ORDER BY, LIMIT or lock clause.
+        return " UNION ALL ".join(f"({p})" for p in parts)
+
     def create_secondary_sql(self, table: str, name: str, columns: Sequence[str]) -> list[str]:
         cols = ", ".join(self.q(c) for c in columns)
         # MariaDB knows IF NOT EXISTS for indexes; MySQL 8 does not (it would fail
