@@ -288,7 +288,8 @@ class Lat:
 
 
 class PhaseClock:
-    """Times the Cleaner's steps by wrapping them (thread time, summed over workers)."""
+    """Times the Cleaner's steps by wrapping them (thread time, summed over workers;
+    ``wait``: a worker waiting for its server's turn, see ``Cleaner._paced``)."""
 
     STEPS = (
         ("scan", "bagstore.backends.base", "Backend", "scan_entities"),
@@ -331,6 +332,28 @@ class PhaseClock:
 
             throttle.pause_after = timed_pause  # type: ignore[union-attr]
             self._undo.append(lambda: setattr(throttle, "pause_after", pause_after))
+        cleaner = getattr(importlib.import_module("bagstore.cleaner"), "Cleaner", None)
+        gate = getattr(cleaner, "_gate", None)
+        if gate is not None:  # time spent waiting for the server's turn
+            clock = self
+
+            class TimedGate:
+                def __init__(self, gate: Any) -> None:
+                    self.gate = gate
+
+                def __enter__(self) -> None:
+                    t0 = time.perf_counter()
+                    self.gate.__enter__()
+                    clock.add("wait", time.perf_counter() - t0)
+
+                def __exit__(self, *exc: object) -> None:
+                    self.gate.__exit__(*exc)
+
+            def timed_gate(obj: Any, *a: Any, **k: Any) -> TimedGate:
+                return TimedGate(gate(obj, *a, **k))
+
+            cleaner._gate = timed_gate  # type: ignore[union-attr]
+            self._undo.append(lambda: setattr(cleaner, "_gate", gate))
 
     def _wrap(self, cls: Any, attr: str, orig: Callable[..., Any], name: str) -> None:
         clock = time.perf_counter
@@ -781,7 +804,7 @@ def rows_for_table(runs: Sequence[Run], ddl: dict[str, Run]) -> list[list[str]]:
 
 
 def shares_rows(runs: Sequence[Run]) -> tuple[list[str], list[list[str]]]:
-    steps = ["scan", "decode+rows (rest)", "insert", "take_back", "checkpoint", "pause"]
+    steps = ["scan", "decode+rows (rest)", "insert", "take_back", "checkpoint", "pause", "wait"]
     headers = ["method", "backend", *steps]
     rows = []
     for r in runs:

@@ -17,6 +17,7 @@ import pytest
 
 import bagstore
 from bagstore import testing
+from bagstore.cleaner import Throttle
 from tests import servers
 from tests.conftest import Topology
 
@@ -51,6 +52,41 @@ def test_backfill_life_cycle(topo: Topology) -> None:
     again = bagstore.Cleaner(ds, settle=0).backfill("index_link")  # harmless
     assert (again.written, again.removed) == (0, 0)
     assert consistent(ds)
+
+
+@pytest.mark.parametrize("duty", [0.0, 0.2])
+def test_duty_runs_one_batch_at_a_time_per_server(
+    topo: Topology, duty: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a duty, the workers of one server (the 4 databases of the MariaDB)
+    take turns, batch and pause; duty=0 reads every shard at once, and so does
+    any duty on SQLite, whose files are written side by side."""
+    ds = topo.open()
+    ds.put_many([{"link": f"l{i}"} for i in range(400)])
+    ds.add_index(link_idx)
+    lock = threading.Lock()
+    inside = [0, 0]  # now, most at once
+
+    scan = type(ds._backends[0]).scan_entities
+
+    def slow_scan(backend: object, *args: object, **kwargs: object) -> object:
+        with lock:
+            inside[0] += 1
+            inside[1] = max(inside[1], inside[0])
+        try:
+            time.sleep(0.01)  # long enough for workers running side by side to meet
+            return scan(backend, *args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(type(ds._backends[0]), "scan_entities", slow_scan)
+    stats = bagstore.Cleaner(ds, batch=20, duty=duty, settle=0).backfill("index_link")
+    assert stats.written == 400 and consistent(ds)
+    if duty and topo.name != "sqlite":
+        assert inside[1] == 1
+    else:
+        assert inside[1] >= 2  # shards read side by side
 
 
 def test_other_process_learns_of_new_index_within_refresh(topo: Topology) -> None:
@@ -386,3 +422,29 @@ def test_failed_put_many_keeps_claims_of_entities_it_stored(
     with pytest.raises(bagstore.DuplicateValue):
         ds.put({"email": stored[0]["email"]})
     ds.put({"email": next(e for e in entities if e not in stored)["email"]})
+
+
+def test_throttle_pauses_in_proportion_and_backs_off_when_the_database_slows() -> None:
+    t = Throttle(duty=0.5)
+    for _ in range(50):  # steady batches: duty x batch time, nothing more
+        assert t.pause_after(1000, 0.02) == pytest.approx(0.01)
+    # a sudden, lasting 5x slowdown (live traffic): extra pauses within a few batches
+    pauses = [t.pause_after(1000, 0.1) for _ in range(8)]
+    assert pauses[-1] > 0.1 * 0.5 + 0.05
+    # back to normal: the extra pause fades away
+    for _ in range(40):
+        last = t.pause_after(1000, 0.02)
+    assert last == pytest.approx(0.01, abs=1e-4)
+
+
+def test_throttle_takes_slowly_growing_inserts_for_the_usual_pace() -> None:
+    """A long backfill's batches slow down as the tables grow (here 10x over
+    1,000 batches): that is not a busy database, and costs no extra pause."""
+    t = Throttle(duty=0.0)
+    extra = [t.pause_after(1000, 0.01 * 10 ** (n / 1000)) for n in range(1000)]
+    assert max(extra) == 0.0
+
+
+def test_throttle_keeps_under_max_rate() -> None:
+    t = Throttle(duty=0.0, max_rate=10_000)
+    assert t.pause_after(1000, 0.0) == pytest.approx(0.1, abs=0.01)  # 1,000 rows: 0.1 s

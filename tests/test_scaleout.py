@@ -349,3 +349,39 @@ def test_shard_keyed_kind_survives_rebalance(growth: Growth) -> None:
     assert [e["i"] for e in fresh.get_many(ids)] == list(range(200))  # type: ignore[index]
     per_shard = [b.count("bagstore_ids") for b in fresh._backends]
     assert sum(per_shard) == 200 and per_shard[2] > 0
+
+
+@pytest.mark.parametrize("count", [3, 40])  # each row's ownership read by key; a join
+def test_fenced_index_insert_refuses_buckets_not_owned(topo: Topology, count: int) -> None:
+    """A fenced insert (a writer's few rows, or a backfill's many, which the
+    dialect fences in another form) writes only the rows of buckets the shard
+    owns and are not frozen, and raises for the others."""
+    from bagstore.backends.base import FENCED_ROWS_READ_BY_KEY
+    from bagstore.backends.indexsql import IndexRow
+
+    assert (count > FENCED_ROWS_READ_BY_KEY) == (count == 40)
+    ds = topo.open(indexes=[link_idx], buckets=64)
+    backend = ds._backends[0]
+    owned = ds.placement.buckets_of_shard(0)
+    foreign = next(b for b in range(64) if b not in owned)
+
+    def rows(last_bucket: int) -> list[IndexRow]:
+        # the first row in owned[0], the others in owned[1], the last one as told
+        buckets = [owned[0]] + [owned[1]] * (count - 2) + [last_bucket]
+        return [
+            IndexRow((keys.encode_value(f"http://x/{os.urandom(4).hex()}"),), os.urandom(16), b)
+            for b in buckets
+        ]
+
+    with pytest.raises(bagstore.StalePlacement):
+        backend.insert_index_rows("index_link", ["link"], rows(foreign), fenced=True)
+    assert backend.count("index_link") == count - 1  # all but the foreign bucket's row
+    backend.set_bucket_state(owned[0], 1)  # FROZEN, as a move does
+    with pytest.raises(bagstore.KeyMigrating):
+        backend.insert_index_rows("index_link", ["link"], rows(owned[0]), fenced=True)
+    # written: the rows of owned[1], all but the first and the last
+    assert backend.count("index_link") == (count - 1) + (count - 2)
+    backend.set_bucket_state(owned[0], 0)
+    before = backend.count("index_link")
+    assert backend.insert_index_rows("index_link", ["link"], rows(owned[1]), fenced=True) == count
+    assert backend.count("index_link") == before + count

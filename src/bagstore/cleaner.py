@@ -14,11 +14,12 @@
 
 *Backfill* scans every shard's entities in ``added_id`` order (shards in
 parallel), writes the missing rows with multi-row inserts, and saves a
-checkpoint per shard after every batch, so a killed backfill resumes where it
-stopped; then it marks the index ``ready``.  Entities written while it runs are
-indexed by their writers; after each batch the Cleaner re-reads the entities it
-just indexed and takes back rows of any that changed meanwhile, so it never
-leaves a stale row of its own behind.
+checkpoint per shard after its first batch and then once a second (and when it
+stops), so a killed backfill resumes where it stopped, redoing at most a second
+of inserts that leave existing rows alone; then it marks the index ``ready``.
+Entities written while it runs are indexed by their writers; after each batch
+the Cleaner re-reads the entities it just indexed and takes back rows of any
+that changed meanwhile, so it never leaves a stale row of its own behind.
 
 *Repair* reconciles, for each entity (most recently updated first), the rows it
 should have with the rows that point at it (found through the ``entity_id`` key
@@ -28,9 +29,16 @@ sweep over the index tables then removes rows whose entity no longer exists.
 ``follow()`` repeats repair from the last time it saw, so what a crash left is
 found again within seconds.
 
-Throttling: after every batch a worker sleeps in proportion to how long the
-batch took (``duty``), longer when statements slow down (the database is busy
-with live traffic), and enough to stay under ``max_rate`` rows per second.
+Throttling: with ``duty`` above 0, batches read from shards of one database
+server run one at a time, each followed by a pause of ``duty`` times how long
+it took, longer when statements slow down (the database is busy with live
+traffic); the server's next batch waits for the pause.  So ``duty=1`` leaves
+the server to live traffic at least half the time, however many of its shards
+are being read.  (Each SQLite file is its own "server": SQLite writes files
+side by side far faster than one after another.)  ``duty=0`` reads every shard
+in parallel, flat out.  ``max_rate`` caps rows per second either way.
+Smaller batches (``batch=100``) disturb a concurrent writer less than fewer,
+larger ones; see docs/cleaner.md for measured trade-offs.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +66,8 @@ if TYPE_CHECKING:
 __all__ = ["CleanStats", "Cleaner", "Throttle"]
 
 Progress = Callable[[int, int], None]
+#: Seconds between a backfill worker's checkpoints (each one is a catalog write).
+CHECKPOINT_EVERY = 1.0
 
 
 @dataclass
@@ -87,18 +98,21 @@ class Throttle:
     """Adaptive pauses between batches (one per worker thread).
 
     ``duty``: pause this fraction of each batch's duration at least.  When the
-    time per row, smoothed over the last few batches, rises over three times the
-    best seen, the database is busy: the pause doubles (up to ``max_pause``); it
-    shrinks back as batches speed up.  (Smoothed, because one slow batch is
-    usually a thread waiting for the interpreter lock or the CPU, not a busy
-    database: reacting to each one halved the rate for nothing.)
+    time per row, smoothed over the last few batches, rises over three times its
+    usual value, the database is busy: the pause doubles (up to ``max_pause``);
+    it shrinks back as batches speed up.  The usual value drops to any new low
+    at once and follows rises slowly (1% of the difference a batch), so that
+    inserts growing slower with the size of the tables over a long backfill are
+    not taken for a busy database, while live traffic that suddenly slows the
+    batches down is.  (Smoothed, because one slow batch is usually a thread
+    waiting for the interpreter lock or the CPU, not a busy database.)
     ``max_rate`` caps rows per second.
     """
 
     max_rate: float | None = None
     duty: float = 0.5
     max_pause: float = 1.0
-    best: float = field(default=float("inf"))
+    usual: float | None = None
     smooth: float | None = None
     extra: float = 0.0
     started: float = field(default_factory=time.monotonic)
@@ -109,9 +123,11 @@ class Throttle:
         self.rows += rows
         if rows:
             per_row = seconds / rows
-            self.best = min(self.best, per_row)
-            self.smooth = per_row if self.smooth is None else 0.75 * self.smooth + 0.25 * per_row
-            if self.smooth > 3 * self.best:
+            smooth = per_row if self.smooth is None else 0.75 * self.smooth + 0.25 * per_row
+            usual = smooth if self.usual is None else self.usual
+            self.usual = min(smooth, usual + 0.01 * (smooth - usual))
+            self.smooth = smooth
+            if smooth > 3 * self.usual:
                 self.extra = min(self.max_pause, max(2 * self.extra, seconds))
             else:
                 self.extra /= 2
@@ -159,6 +175,8 @@ class Cleaner:
         self.settle = datastore._refresh_interval + 1.0 if settle is None else settle
         self.checkpoints = Checkpoints(datastore._catalog_backend)
         self._stop = threading.Event()
+        self._gates: dict[str, threading.Lock] = {}
+        self._gates_lock = threading.Lock()
 
     def stop(self) -> None:
         """Ask a running backfill or follow() to stop after its current batch."""
@@ -175,6 +193,29 @@ class Cleaner:
     def _throttle(self, shards: int) -> Throttle:
         rate = self.max_rate / shards if self.max_rate else None
         return Throttle(max_rate=rate, duty=self.duty)
+
+    def _gate(self, backend: Backend) -> AbstractContextManager[Any]:
+        """What a worker holds for a batch on ``backend`` and the pause after
+        it: with ``duty`` above 0, one lock per database server (per SQLite
+        file); with ``duty=0``, nothing."""
+        if not self.duty:
+            return nullcontext()
+        key = backend.server or backend.name
+        with self._gates_lock:
+            return self._gates.setdefault(key, threading.Lock())
+
+    def _paced(
+        self, backend: Backend, throttle: Throttle, batch: Callable[[], int | None]
+    ) -> int | None:
+        """Run ``batch`` (it returns the rows it handled, None when there were
+        none) holding the server's gate, then pause as the throttle says, still
+        holding it: the server's next batch starts after the pause."""
+        with self._gate(backend):
+            t0 = time.monotonic()
+            rows = batch()
+            if rows is not None:
+                self._stop.wait(throttle.pause_after(rows, time.monotonic() - t0))
+            return rows
 
     def _parallel(self, fn: Callable[[int], CleanStats], shards: Iterable[int]) -> CleanStats:
         """Run ``fn`` per shard in threads; Ctrl-C stops them after their batch."""
@@ -304,11 +345,20 @@ class Cleaner:
         backend = self.ds._backends[shard]
         throttle = self._throttle(shards)
         stats = CleanStats()
-        while after < end and not self._stop.is_set():
-            t0 = time.monotonic()
+        position = [after]
+        saved = [after, -CHECKPOINT_EVERY]  # position saved, and when
+
+        def save(force: bool) -> None:
+            now = time.monotonic()
+            if position[0] != saved[0] and (force or now - saved[1] >= CHECKPOINT_EVERY):
+                self.checkpoints.set(checkpoint, position[0])
+                saved[:] = [position[0], now]
+
+        def one_batch() -> int | None:
+            after = position[0]
             batch = backend.scan_entities(self.ds.kind, after, self.batch)
             if not batch:
-                break
+                return None
             wanted: dict[bytes, set[IndexRow]] = {}
             stamp: dict[bytes, int] = {}
             for _, entity_id, body, updated in batch:
@@ -318,10 +368,17 @@ class Cleaner:
             now = backend.stamps_between(self.ds.kind, after, batch[-1][0])
             stats.removed += self._take_back(index, backend, wanted, stamp, now)
             stats.entities += len(batch)
-            after = batch[-1][0]
-            self.checkpoints.set(checkpoint, after)
+            position[0] = batch[-1][0]
+            save(force=False)
             advance(len(batch))
-            time.sleep(throttle.pause_after(len(batch), time.monotonic() - t0))
+            return len(batch)
+
+        try:
+            while position[0] < end and not self._stop.is_set():
+                if self._paced(backend, throttle, one_batch) is None:
+                    break
+        finally:
+            save(force=True)
         return stats
 
     def _take_back(
@@ -379,19 +436,23 @@ class Cleaner:
         backend = self.ds._backends[shard]
         throttle = self._throttle(shards)
         stats = CleanStats()
-        before: tuple[int, int] | None = None
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            batch = backend.scan_recent(self.ds.kind, before, since, self.batch)
+        position: list[tuple[int, int] | None] = [None]
+
+        def one_batch() -> int | None:
+            batch = backend.scan_recent(self.ds.kind, position[0], since, self.batch)
             if not batch:
-                break
+                return None
             bodies = {entity_id: (body, updated) for _, entity_id, body, updated in batch}
             written, removed = self._reconcile(indexes, backend, bodies)
             stats.written += written
             stats.removed += removed
             stats.entities += len(batch)
-            before = (batch[-1][3], batch[-1][0])
-            time.sleep(throttle.pause_after(len(batch), time.monotonic() - t0))
+            position[0] = (batch[-1][3], batch[-1][0])
+            return len(batch)
+
+        while not self._stop.is_set():
+            if self._paced(backend, throttle, one_batch) is None:
+                break
         return stats
 
     def _reconcile(

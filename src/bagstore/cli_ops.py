@@ -70,7 +70,8 @@ def _progress() -> Progress:
     type=click.FloatRange(0, 10),
     default=0.5,
     show_default=True,
-    help="Pause this fraction of each batch's time after it (0: flat out).",
+    help="Pause this fraction of each batch's time after it; batches of one server "
+    "take turns (0: every shard at once, flat out).",
 )
 @click.option("--interval", default=1.0, show_default=True, help="Seconds between --follow passes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
