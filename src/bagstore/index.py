@@ -151,6 +151,21 @@ class Index:
         Raises :class:`InvalidEntity` for a unique value too long to store whole,
         or for lists that would make more than ``MAX_ROWS_PER_ENTITY`` rows.
         """
+        if len(self.properties) == 1:  # the common case, without the product
+            value = entity.get(self.properties[0])
+            if type(value) is not list:
+                try:
+                    key = keys.encode_value(value)
+                except keys.UnindexableValue:
+                    return set()
+                if len(key) > keys.KEY_LIMIT:
+                    if self.unique:
+                        raise InvalidEntity(
+                            f"a value of unique index {self.table!r} is {len(key)} bytes "
+                            f"encoded, over the {keys.KEY_LIMIT}-byte limit of unique values"
+                        )
+                    return {IndexRow((key[: keys.KEY_LIMIT],), entity_id, bucket_of(key, buckets))}
+                return {IndexRow((key,), entity_id, bucket_of(key, buckets))}
         per_property: list[list[bytes]] = []
         for p in self.properties:
             encoded = keys.index_keys(entity.get(p))
