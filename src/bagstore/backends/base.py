@@ -145,28 +145,36 @@ class Dialect:
     ) -> str:
         """Insert rows whose ``bagstore_bucket`` this shard owns (others are
         dropped); with ``ignore``, rows already present are left alone.  The
-        parameters are each row's values followed by its bucket once more."""
+        parameters are each row's values, followed by its bucket once more when
+        ``fenced_by_key(rows)``."""
         raise NotImplementedError
 
+    @staticmethod
+    def fenced_by_key(rows: int) -> bool:
+        """Whether a fenced insert of ``rows`` rows reads each row's ownership row
+        by key (its parameters then repeat each row's bucket)."""
+        return rows <= FENCED_ROWS_READ_BY_KEY
+
     def _fenced_select(self, columns: Sequence[str], rows: int) -> str:
-        """The rows whose bucket this shard owns, from parameters: each row's
-        values, then its bucket once more.  A few rows: ``SELECT <values> FROM
-        bagstore_owned WHERE bucket = ? AND state = 0`` per row (the ownership
-        row read by key, no derived table to build); more: one derived table of
-        all rows joined with ``bagstore_owned`` (MariaDB runs a large UNION of
-        such reads at half the rate of the join)."""
-        if rows <= FENCED_ROWS_READ_BY_KEY:
+        """The rows whose bucket this shard owns, from parameters.  A few rows:
+        ``SELECT <values> FROM bagstore_owned WHERE bucket = ? AND state = 0``
+        per row, each row's bucket passed once more (the ownership row read by
+        key, no derived table to build); more: one derived table of all rows
+        joined with ``bagstore_owned`` on the bucket column (MariaDB runs a large
+        UNION of reads by key at half the rate of the join)."""
+        if self.fenced_by_key(rows):
             one = (
                 f"SELECT {self.params(len(columns))} FROM bagstore_owned "
                 f"WHERE bucket = {self.param} AND state = 0"
             )
             return " UNION ALL ".join([one] * rows)
         aliases = [f"k{i}" for i in range(len(columns))]
-        first = "SELECT " + ", ".join(f"{self.param} AS {a}" for a in [*aliases, "kb"])
-        more = " UNION ALL SELECT " + self.params(len(columns) + 1)
+        first = "SELECT " + ", ".join(f"{self.param} AS {a}" for a in aliases)
+        more = " UNION ALL SELECT " + self.params(len(columns))
+        bucket = aliases[columns.index(BUCKET)]
         return (
             f"SELECT {', '.join('v.' + a for a in aliases)} FROM ({first}{more * (rows - 1)}) v "
-            "JOIN bagstore_owned o ON o.bucket = v.kb AND o.state = 0"
+            f"JOIN bagstore_owned o ON o.bucket = v.{bucket} AND o.state = 0"
         )
 
     def fenced_upsert_sql(self, kind: str) -> str:
