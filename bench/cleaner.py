@@ -31,6 +31,12 @@ take-back of rows that changed under it is exercised).  bagstore's writer calls
 recorded; a few seconds before the backfill give the "before" figures, the
 backfill itself "during".  The longest stall is the longest single write.
 
+Ceiling (MariaDB): the index rows bagstore would write, computed from the
+baseline's bodies and made into 1,000-row INSERT statements before the clock
+starts, sent from one connection into a table with bagstore's index-table DDL
+while the same writer runs: what any client-side backfill could reach on this
+server, with no per-row work left in Python.
+
 After each backfill the index must hold exactly one row per entity (checked with
 ``COUNT(*)``: a missing or stale row would show).
 
@@ -525,6 +531,7 @@ class Run:
     errors: int = 0
     shares: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    kind: str = "cleaner"  # or "ddl" (the database's own build), "ceiling" (raw inserts)
 
     @property
     def rate(self) -> float:
@@ -706,6 +713,7 @@ def ddl_run(side: Side, args: argparse.Namespace) -> Run:
         Lat.of(writes.window(t0 - args.before, t0), args.before),
         Lat.of(writes.window(t0, t1), t1 - t0),
         errors=len(writes.errors),
+        kind="ddl",
     )
     log(
         f"  [{side.backend}] DDL: {rows:,} rows in {run.seconds:.2f}s = {run.rate:,.0f}/s; writer "
@@ -741,7 +749,80 @@ def median_run(runs: list[Run]) -> Run:
         lat("before"),
         lat("during"),
         errors=sum(r.errors for r in runs),
+        kind=first.kind,
     )
+
+
+CEILING_TABLE = "index_link_ceiling"
+
+
+def ceiling_run(side: Side, args: argparse.Namespace) -> Run:
+    """What any client-side backfill can reach on this server: the index rows
+    bagstore would write (its keys and buckets, computed from the baseline's
+    bodies) turned into 1,000-row INSERT statements before the clock starts,
+    then sent from one connection into a table of bagstore's index layout
+    (primary key plus the ``bagstore_bucket`` and ``entity_id`` keys), with the
+    same writer running.  MariaDB only: one server bounds every client there,
+    while SQLite's Cleaner writes its 4 files side by side."""
+    from bagstore.backends.mysql import MySQLDialect
+
+    d = MySQLDialect()
+    buckets = int(side.ds.placement.buckets)
+    cols = ("link", "entity_id", "bagstore_bucket")
+    for sql in d.create_index_table_sql(CEILING_TABLE, ["link"], False):
+        side.raw_exec(sql)
+    conn = mysql_connect(side.raw_target)
+    cur = conn.cursor()
+    rows: list[tuple[bytes, bytes, int]] = []
+    after = 0
+    while True:
+        cur.execute(
+            "SELECT added_id, id, body FROM entities WHERE added_id > %s ORDER BY added_id "
+            "LIMIT 10000",
+            (after,),
+        )
+        got = cur.fetchall()
+        if not got:
+            break
+        for _, entity_id, body in got:
+            for r in LINK_INDEX.rows_for(codec.decode(body), bytes(entity_id), buckets):
+                rows.append((r.keys[0], r.entity_id, r.bucket))
+        after = got[-1][0]
+    statements = []
+    for start in range(0, len(rows), RAW_BATCH):
+        chunk = rows[start : start + RAW_BATCH]
+        sql = d.insert_ignore_sql(CEILING_TABLE, cols, len(chunk))
+        statements.append(cur.mogrify(sql, [v for r in chunk for v in r]))
+    spec = WriterSpec("raw", side.backend, side.raw_target, args.rate, side.update_ids)
+    try:
+        with writer(spec) as w:
+            time.sleep(args.before)
+            t0 = time.monotonic()
+            for text in statements:
+                cur.execute(text)
+            t1 = time.monotonic()
+            time.sleep(0.5)
+            writes = w.stop()
+    finally:
+        cur.close()
+        conn.close()
+        side.raw_exec(f"DROP TABLE {CEILING_TABLE}")
+    run = Run(
+        side.backend,
+        f"raw INSERT of the same index rows, prepared beforehand ({RAW_BATCH:,} a statement)",
+        len(rows),
+        t1 - t0,
+        Lat.of(writes.window(t0 - args.before, t0), args.before),
+        Lat.of(writes.window(t0, t1), t1 - t0),
+        errors=len(writes.errors),
+        kind="ceiling",
+    )
+    log(
+        f"  [{side.backend}] ceiling: {run.rows:,} rows in {run.seconds:.2f}s = {run.rate:,.0f}/s; "
+        f"writer p99 {run.before.p99 * 1e3:.1f} -> {run.during.p99 * 1e3:.1f} ms, max "
+        f"{run.during.max * 1e3:.0f} ms"
+    )
+    return run
 
 
 # -- printing ------------------------------------------------------------------------------
@@ -780,7 +861,7 @@ def rows_for_table(runs: Sequence[Run], ddl: dict[str, Run]) -> list[list[str]]:
     out = []
     for r in runs:
         base = ddl.get(r.backend)
-        is_bag = r.method.startswith("Cleaner")
+        is_ddl = r.kind == "ddl"
         vs = f"{r.rate / base.rate:.2f}" if base is not None and base.rate > 0 else "—"
         ratio = r.during.p99 / r.before.p99 if r.before.p99 > 0 else float("nan")
         out.append(
@@ -790,14 +871,14 @@ def rows_for_table(runs: Sequence[Run], ddl: dict[str, Run]) -> list[list[str]]:
                 f"{r.rows:,}",
                 f"{r.seconds:.1f}",
                 f"{r.rate:,.0f}",
-                vs if is_bag else "1.00",
+                "1.00" if is_ddl else vs,
                 f"{_ms(r.before.p50)} → {_ms(r.during.p50)}",
                 f"{_ms(r.before.p99)} → {_ms(r.during.p99)}",
                 f"{ratio:.2f}",
                 f"{_ms(r.before.max)} → {_ms(r.during.max)}",
                 f"{r.before.rate:,.0f} → {r.during.rate:,.0f}",
                 r.consistent,
-                goal_marks(r, GOAL_RATE[r.backend] if is_bag else None),
+                goal_marks(r, None if is_ddl else GOAL_RATE[r.backend]),
             ]
         )
     return out
@@ -869,6 +950,8 @@ def run_backend(backend: str, args: argparse.Namespace, clock: PhaseClock) -> li
         ddl_runs = [ddl_run(side, args) for _ in range(max(1, args.ddl_rounds))]
         for batch, duty, max_rate in args.settings:
             runs.append(bag_run(side, batch, duty, max_rate, args, clock))
+        if backend == "mysql":
+            runs.append(ceiling_run(side, args))
         runs.append(median_run(ddl_runs))
     return runs
 
@@ -903,7 +986,7 @@ def main(argv: list[str] | None = None) -> int:
             runs += run_backend(backend, args, clock)
     finally:
         clock.uninstall()
-    ddl = {r.backend: r for r in runs if not r.method.startswith("Cleaner")}
+    ddl = {r.backend: r for r in runs if r.kind == "ddl"}
     print_table(
         f"Index backfill with a writer at {args.rate:,.0f} puts/s: bagstore Cleaner (4 shards) "
         "beside the database's own index build on one table (DDL: median of rounds; max = worst)",
