@@ -448,3 +448,29 @@ def test_throttle_takes_slowly_growing_inserts_for_the_usual_pace() -> None:
 def test_throttle_keeps_under_max_rate() -> None:
     t = Throttle(duty=0.0, max_rate=10_000)
     assert t.pause_after(1000, 0.0) == pytest.approx(0.1, abs=0.01)  # 1,000 rows: 0.1 s
+
+
+def _wal_frames(db: Path) -> tuple[int, int]:
+    """``(frames in the WAL, frames already copied into the database)``, read
+    from the WAL index (the ``-shm`` file) without checkpointing anything."""
+    header = (db.parent / (db.name + "-shm")).read_bytes()[:100]
+    return int.from_bytes(header[16:20], sys.byteorder), int.from_bytes(
+        header[96:100], sys.byteorder
+    )
+
+
+def test_backfill_checkpoints_sqlite_wal_itself(tmp_path: Path) -> None:
+    # A live writer's commit must not inherit the backfill's pages to checkpoint.
+    ds = bagstore.open(tmp_path, shards=2)
+    try:
+        ds.put_many([{"link": f"l{i}"} for i in range(300)])
+        ds.add_index(link_idx)
+        db = Path(ds._backends[1].path)  # not the catalog's shard: its last writes are the batches
+        frames, copied = _wal_frames(db)
+        assert frames > copied  # commits leave their pages in the WAL
+        bagstore.Cleaner(ds, settle=0, batch=100).backfill("index_link")
+        frames, copied = _wal_frames(db)
+        assert frames == copied > 0
+        assert len(link_idx.get_all(ds, link__gte="l")) == 300
+    finally:
+        ds.close()

@@ -246,9 +246,11 @@ class Cleaner:
         claimed = time.time_ns() // 1000 if index.unique else None
 
         def on(backend: Backend, part: list[IndexRow]) -> int:
-            return backend.insert_index_rows(
+            n = backend.insert_index_rows(
                 index.table, index.properties, part, claimed=claimed, fenced=True
             )
+            backend.after_bulk_step()
+            return n
 
         rows = list(rows)
         written = sum(self.ds._route(rows, lambda r: r.bucket, on))

@@ -699,6 +699,11 @@ class Backend(BucketOps, IndexOps):
     def count(self, table: str) -> int:
         return int(self.fetchall(self.dialect.count_sql(table))[0][0])
 
+    def after_bulk_step(self) -> None:
+        """Called by bulk work (a backfill batch, a step of a bucket move) after
+        each step, from its own thread: take on upkeep that the step's writes
+        would otherwise leave to the next live write.  Nothing by default."""
+
 
 #: Fenced inserts of up to this many rows read each row's ownership row by key;
 #: larger ones join a derived table (see ``Dialect._fenced_select``).

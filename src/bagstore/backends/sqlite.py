@@ -188,6 +188,13 @@ class SQLiteBackend(Backend):
                 self._discard(conn)
             raise error from exc
 
+    def after_bulk_step(self) -> None:
+        """Checkpoint the WAL (PASSIVE: it neither waits for nor blocks anyone).
+        Bulk writes grow the WAL fast, and SQLite checkpoints it in whichever
+        commit crosses ``wal_autocheckpoint`` pages: left alone, a live writer's
+        commit pays for copying the bulk pages into the database and its fsync."""
+        self._read("PRAGMA wal_checkpoint(PASSIVE)", (), one=True)
+
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
             self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
