@@ -3,7 +3,8 @@
 Run from the repository root::
 
     python -m bench.scaleout [--backend mysql|sqlite|all] [--rows N] [--rounds N]
-                             [--rate R] [--before S] [--format rich|plain|markdown]
+                             [--rate R] [--before S] [--duty D]
+                             [--format rich|plain|markdown]
 
 For the issue "Scale-out while serving".
 
@@ -14,6 +15,8 @@ with ``--rows`` FriendFeed-style entities (default 200,000; 20 per user) by
 ``ds.rebalance(grace=0)``, which moves a third of the buckets to it.  Later
 rounds move the same buckets back to where they came from, then out again
 (``ds.move_buckets(..., grace=0)``), so that every round moves the same rows.
+The mover is paced as a user's would be: its default ``duty`` (a pause after
+each copy step as long as the step), or ``--duty`` (0: flat out).
 
 While each round runs, a separate process (no GIL shared with the mover) puts
 entities at ``--rate`` per second (default 500; 90% new, 10% updates), routed by
@@ -295,13 +298,13 @@ def one_round(
         t0 = time.monotonic()
         if i == 0:
             ds.add_shard(side.new_url)
-            stats = ds.rebalance(grace=0)
+            stats = ds.rebalance(grace=0, duty=args.duty)
             label = "add_shard + rebalance(grace=0)"
         elif i % 2:
-            stats = _move_home(ds, moved, home)
+            stats = _move_home(ds, moved, home, args.duty)
             label = "move_buckets back (grace=0)"
         else:
-            stats = ds.move_buckets(moved, len(side.shard_dbs) - 1, grace=0)
+            stats = ds.move_buckets(moved, len(side.shard_dbs) - 1, grace=0, duty=args.duty)
             label = "move_buckets out (grace=0)"
         t1 = time.monotonic()
         time.sleep(0.5)
@@ -349,11 +352,11 @@ def _by(buckets: Sequence[int], key: Callable[[int], int]) -> dict[int, list[int
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _move_home(ds: Any, moved: list[int], home: dict[int, int]) -> Any:
+def _move_home(ds: Any, moved: list[int], home: dict[int, int], duty: float | None) -> Any:
     """Move each bucket back to its home shard; the MoveStats added up."""
     total = None
     for target, buckets in _by(moved, lambda b: home[b]).items():
-        stats = ds.move_buckets(buckets, target, grace=0)
+        stats = ds.move_buckets(buckets, target, grace=0, duty=duty)
         if total is None:
             total = stats
         else:
@@ -532,6 +535,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="move rounds (default 3)")
     p.add_argument("--rate", type=float, default=500.0, help="writer puts per second")
     p.add_argument("--before", type=float, default=4.0, help="seconds of writes before")
+    p.add_argument(
+        "--duty",
+        type=float,
+        default=None,
+        help="the mover's pause after each copy step, in units of the step (default: "
+        "bagstore's default; 0: flat out)",
+    )
     p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
     args = p.parse_args(argv)
     if args.rows < 1000 or args.rounds < 1:
@@ -560,9 +570,14 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[Round] = []
     for backend in backends:
         rounds += run_backend(backend, args)
+    from bagstore.scaleout import DEFAULT_BATCH, DEFAULT_DUTY
+
+    duty = DEFAULT_DUTY if args.duty is None else args.duty
+    pacing = f"{duty:g}, batch={DEFAULT_BATCH}"
     print_table(
-        f"Bucket moves with a writer at {args.rate:,.0f} puts/s, beside plain SQL copies of "
-        f"the same rows (medians over {args.rounds} rounds; writer max = worst round)",
+        f"Bucket moves (Mover duty={pacing}) with a writer at {args.rate:,.0f} puts/s, beside "
+        f"plain SQL copies of the same rows (medians over {args.rounds} rounds; writer max = "
+        "worst round)",
         [],
         fmt=args.format,
         headers=HEADERS,

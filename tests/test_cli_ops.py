@@ -61,7 +61,9 @@ def test_shard_add_rebalance_list(tmp_path: Path) -> None:
     with bagstore.open(store) as ds:
         assert len(ds.shards) == 3
         assert [e["n"] for e in ds.get_many(ids)] == list(range(100))  # type: ignore[index]
-    result = ok(store, "shard", "move", "--to", "0", "--grace", "0", "15")
+    result = run(store, "shard", "move", "--to", "0", "--duty", "-1", "15")
+    assert result.exit_code == 2 and "--duty" in result.output
+    result = ok(store, "shard", "move", "--to", "0", "--grace", "0", "--duty", "0.5", "15")
     assert "moved 1 buckets" in result.stdout
     assert run(store, "shard", "rollback", "3").exit_code == 2  # nothing unfinished
 

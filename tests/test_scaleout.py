@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -168,6 +170,87 @@ def test_move_refuses_bad_targets(growth: Growth) -> None:
         ds.move_buckets([64], to=1)
     with pytest.raises(bagstore.ConfigurationError, match="already a shard"):
         ds.add_shard(growth.topo.urls[1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"duty": -1}, "duty must be"),
+        ({"duty": "1"}, "duty must be"),
+        ({"duty": True}, "duty must be"),
+        ({"batch": 0}, "batch must be"),
+        ({"batch": 2.5}, "batch must be"),
+        ({"max_rate": 0}, "max_rate must be"),
+        ({"grace": -1}, "grace must be"),
+    ],
+)
+def test_mover_refuses_bad_pacing(tmp_path: Path, kwargs: dict[str, object], message: str) -> None:
+    ds = bagstore.open(tmp_path, shards=2, buckets=16)
+    try:
+        ids = ds.put_many([{"n": i} for i in range(20)])
+        before = [s["buckets"] for s in ds.status()["shards"]]
+        with pytest.raises(bagstore.ConfigurationError, match=message):
+            Mover(ds, **kwargs)  # type: ignore[arg-type]
+        if "batch" not in kwargs:  # the others are Datastore.move_buckets options too
+            with pytest.raises(bagstore.ConfigurationError, match=message):
+                ds.move_buckets([1], to=0, **kwargs)  # type: ignore[arg-type]
+        assert [s["buckets"] for s in ds.status()["shards"]] == before
+        assert [e["n"] for e in ds.get_many(ids)] == list(range(20))  # type: ignore[index]
+    finally:
+        ds.close()
+
+
+def test_move_is_paced_in_steps_but_not_while_frozen(
+    growth: Growth, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = growth.open(indexes=[link_idx])
+    ids = ds.put_many([{"link": f"l{i}", "n": i} for i in range(400)])
+    counts: dict[int, int] = {}
+    for i in ids:
+        counts[bucket_of(i, 64)] = counts.get(bucket_of(i, 64), 0) + 1
+    bucket = max(counts, key=lambda b: counts[b])  # the bucket with most entities
+    assert counts[bucket] >= 7
+    index_rows = sum(bucket_of(keys.encode_value(f"l{i}"), 64) == bucket for i in range(400))
+    ds.add_shard(growth.extra)
+    late = next(i for i in iter(bagstore.new_id, None) if bucket_of(i, 64) == bucket)
+    other = growth.open(indexes=[link_idx])
+    source = ds.placement.shard_of_bucket[bucket]
+    calls: list[tuple[str, int, bool]] = []
+    phase = ["copy"]
+    original_paced = Mover._paced
+
+    def paced(self: Mover, backend: Any, rows: int, started: float, paced: bool) -> None:
+        calls.append((phase[0], rows, paced))
+        original_paced(self, backend, rows, started, paced)
+
+    src = ds._backends[source]
+    original_state = src.set_bucket_state
+
+    def set_state(b: int, state: int) -> None:
+        if phase[0] == "copy":  # just before the freeze: a write the copy has not seen
+            other.put({"id": late, "link": "late"})
+            phase[0] = "frozen"
+        original_state(b, state)
+
+    monkeypatch.setattr(Mover, "_paced", paced)
+    monkeypatch.setattr(src, "set_bucket_state", set_state)
+    stats = Mover(ds, batch=2, duty=1.0, grace=0).move([bucket], to=2)
+    copied = [(rows, p) for ph, rows, p in calls if ph == "copy"]
+    frozen = [(rows, p) for ph, rows, p in calls if ph == "frozen"]
+    # the copy: entities, then index rows, at most 2 a step, each step paced
+    assert all(p and 1 <= rows <= 2 for rows, p in copied)
+    assert sum(rows for rows, _ in copied) == counts[bucket] + index_rows
+    # the frozen sync copies the late entity unpaced; the deletes after it are paced
+    assert (1, False) in frozen
+    assert sum(rows for rows, p in frozen if p) == stats.deleted
+    late_row = bucket_of(keys.encode_value("late"), 64) == bucket
+    assert stats.deleted == counts[bucket] + 1 + index_rows + late_row
+    fresh = growth.open(indexes=[link_idx])
+    assert fresh.get(late) is not None
+    assert fresh.count() == 401
+    assert_placed(fresh)
+    report = fresh.check()
+    assert (report["missing"], report["stale"]) == (0, 0), report
 
 
 def _spawn(code: str) -> subprocess.Popen[str]:
@@ -385,3 +468,9 @@ def test_fenced_index_insert_refuses_buckets_not_owned(topo: Topology, count: in
     before = backend.count("index_link")
     assert backend.insert_index_rows("index_link", ["link"], rows(owned[1]), fenced=True) == count
     assert backend.count("index_link") == before + count
+
+
+def test_the_examples_in_docs_scaleout_md_run() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "scaleout.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    exec(compile(blocks[0] + blocks[1], "docs/scaleout.md", "exec"), {})

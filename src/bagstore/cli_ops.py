@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,25 +181,51 @@ def _move_report(stats: bagstore.MoveStats) -> None:
     )
 
 
+def _pacing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The options that pace a move (shared by `shard move` and `shard rebalance`)."""
+    fn = click.option(
+        "--max-rate", type=float, default=None, help="At most this many rows per second."
+    )(fn)
+    fn = click.option(
+        "--duty",
+        type=click.FloatRange(0, 10),
+        default=1.0,
+        show_default=True,
+        help="After each copy step, pause this many times as long as it took "
+        "(0: flat out); the final sync of a frozen bucket is never paced.",
+    )(fn)
+    return fn
+
+
 @shard_group.command("move")
 @click.option("--to", "target", required=True, help="Target shard: its number or name.")
 @click.option("--grace", type=float, default=None, help="Seconds to keep the source copy.")
+@_pacing
 @click.argument("buckets", nargs=-1, type=int, required=True)
 @click.pass_context
 def shard_move(
-    ctx: click.Context, target: str, grace: float | None, buckets: tuple[int, ...]
+    ctx: click.Context,
+    target: str,
+    grace: float | None,
+    duty: float,
+    max_rate: float | None,
+    buckets: tuple[int, ...],
 ) -> None:
     """Move BUCKETS to a shard while serving (copy, freeze, sync, switch)."""
     to: int | str = int(target) if target.isdigit() else target
-    _move_report(_store(ctx).move_buckets(list(buckets), to, grace=grace))
+    ds = _store(ctx)
+    _move_report(ds.move_buckets(list(buckets), to, grace=grace, duty=duty, max_rate=max_rate))
 
 
 @shard_group.command("rebalance")
 @click.option("--grace", type=float, default=None, help="Seconds to keep source copies.")
+@_pacing
 @click.pass_context
-def shard_rebalance(ctx: click.Context, grace: float | None) -> None:
+def shard_rebalance(
+    ctx: click.Context, grace: float | None, duty: float, max_rate: float | None
+) -> None:
     """Move buckets until every shard holds an even share."""
-    _move_report(_store(ctx).rebalance(grace=grace))
+    _move_report(_store(ctx).rebalance(grace=grace, duty=duty, max_rate=max_rate))
 
 
 @shard_group.command("resume")

@@ -858,20 +858,37 @@ class Datastore:
         return Mover(self).add_shard(url)
 
     def move_buckets(
-        self, buckets: Sequence[int], to: int | str, *, grace: float | None = None
+        self,
+        buckets: Sequence[int],
+        to: int | str,
+        *,
+        grace: float | None = None,
+        duty: float | None = None,
+        max_rate: float | None = None,
     ) -> Any:
         """Move buckets to a shard while serving (see :mod:`bagstore.scaleout`);
         ``grace``: seconds to keep the source copy for stale readers (default
-        ``refresh_interval`` + 1)."""
-        from bagstore.scaleout import Mover
+        ``refresh_interval`` + 1); ``duty``: pause after each copy step, in units
+        of its duration (default 1; 0: flat out); ``max_rate``: rows per second."""
+        return self._mover(grace, duty, max_rate).move(buckets, to)
 
-        return Mover(self, grace=grace).move(buckets, to)
+    def rebalance(
+        self,
+        *,
+        grace: float | None = None,
+        duty: float | None = None,
+        max_rate: float | None = None,
+    ) -> Any:
+        """Move buckets until every shard holds an even share (paced as
+        :meth:`move_buckets`); returns MoveStats."""
+        return self._mover(grace, duty, max_rate).rebalance()
 
-    def rebalance(self, *, grace: float | None = None) -> Any:
-        """Move buckets until every shard holds an even share; returns MoveStats."""
-        from bagstore.scaleout import Mover
+    def _mover(self, grace: float | None, duty: float | None, max_rate: float | None) -> Any:
+        from bagstore.scaleout import DEFAULT_DUTY, Mover
 
-        return Mover(self, grace=grace).rebalance()
+        return Mover(
+            self, grace=grace, duty=DEFAULT_DUTY if duty is None else duty, max_rate=max_rate
+        )
 
     def migrate_key(self, value: object, to_bucket: int, *, wait: float | None = None) -> int:
         """Move one shard key's entities to another bucket (``shard_map='directory'``
