@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -459,18 +460,40 @@ def _wal_frames(db: Path) -> tuple[int, int]:
     )
 
 
-def test_backfill_checkpoints_sqlite_wal_itself(tmp_path: Path) -> None:
+def test_backfill_checkpoints_sqlite_wal_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A live writer's commit must not inherit the backfill's pages to checkpoint.
     ds = bagstore.open(tmp_path, shards=2)
     try:
         ds.put_many([{"link": f"l{i}"} for i in range(300)])
         ds.add_index(link_idx)
-        db = Path(ds._backends[1].path)  # not the catalog's shard: its last writes are the batches
+        inserts: list[str] = []
+        steps: list[str] = []
+        for backend in ds._backends:
+            insert, step = backend.insert_index_rows, backend.after_bulk_step
+
+            def counted_insert(*a: Any, _f: Any = insert, _n: str = backend.name, **k: Any) -> Any:
+                inserts.append(_n)
+                return _f(*a, **k)
+
+            def counted_step(_f: Any = step, _n: str = backend.name) -> None:
+                steps.append(_n)
+                _f()
+
+            monkeypatch.setattr(backend, "insert_index_rows", counted_insert)
+            monkeypatch.setattr(backend, "after_bulk_step", counted_step)
+        bagstore.Cleaner(ds, settle=0, batch=50).backfill("index_link")
+        assert len(inserts) >= 6  # 300 entities, 50 a batch
+        assert sorted(steps) == sorted(inserts)  # every insert is followed by a checkpoint
+        assert len(link_idx.get_all(ds, link__gte="l")) == 300
+        # and the checkpoint copies every frame of the WAL into the database
+        db = Path(ds._backends[1].path)
+        ds.put_many([{"link": f"m{i}"} for i in range(50)])
         frames, copied = _wal_frames(db)
         assert frames > copied  # commits leave their pages in the WAL
-        bagstore.Cleaner(ds, settle=0, batch=100).backfill("index_link")
+        ds._backends[1].after_bulk_step()
         frames, copied = _wal_frames(db)
         assert frames == copied > 0
-        assert len(link_idx.get_all(ds, link__gte="l")) == 300
     finally:
         ds.close()

@@ -219,3 +219,55 @@ def test_mysqlclient_driver_round_trips(mysql_main: servers.MySQLAddress) -> Non
         servers.drop_databases(
             mysql_main.host, mysql_main.port, [name], mysql_main.user, mysql_main.password
         )
+
+
+def test_sqlite_writer_waits_for_a_lock_another_connection_holds(tmp_path: Path) -> None:
+    import sqlite3
+
+    ds = bagstore.open(tmp_path, shards=1)
+    try:
+        ds.put({"n": 0})
+        holder = sqlite3.connect(
+            ds._backends[0].path, isolation_level=None, check_same_thread=False
+        )
+        holder.execute("BEGIN IMMEDIATE")  # the write lock, held by someone else
+        events: list[str] = []
+
+        def release() -> None:
+            threading.Event().wait(0.15)
+            events.append("released")
+            holder.execute("COMMIT")
+
+        thread = threading.Thread(target=release)
+        thread.start()
+        entity_id = ds.put({"n": 1})  # waits for the lock instead of failing
+        events.append("put")
+        thread.join()
+        holder.close()
+        assert events == ["released", "put"]
+        assert ds.get(entity_id) == {"id": entity_id, "n": 1}
+    finally:
+        ds.close()
+
+
+def test_sqlite_lock_held_past_busy_timeout_is_a_clear_error(tmp_path: Path) -> None:
+    import sqlite3
+
+    from bagstore.backends.sqlite import SQLiteBackend
+
+    path = str(tmp_path / "one.db")
+    backend = SQLiteBackend(path, busy_timeout=0.2)
+    try:
+        backend.execute("CREATE TABLE t (n INTEGER)")
+        backend.execute("INSERT INTO t VALUES (1)")
+        holder = sqlite3.connect(path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        with pytest.raises(bagstore.ShardTimeout, match=r"stayed locked .* 0.2 s \(busy_timeout\)"):
+            backend.execute("INSERT INTO t VALUES (2)")
+        assert backend.fetchall("SELECT n FROM t") == [(1,)]  # reads go on meanwhile
+        holder.execute("ROLLBACK")
+        holder.close()
+        backend.execute("INSERT INTO t VALUES (3)")
+        assert backend.fetchall("SELECT n FROM t ORDER BY n") == [(1,), (3,)]
+    finally:
+        backend.close()

@@ -459,7 +459,11 @@ class Datastore:
             raise ConfigurationError(f"no index {table!r} on kind {self.kind!r}")
         if state != RETIRED:
             raise ConfigurationError(f"index {table!r} is {state}: retire it before dropping it")
-        self._map(lambda b: b.drop_index_table(table), self._backends)
+        def drop(b: Backend) -> None:
+            b.drop_index_table(table)
+            b.after_bulk_step()  # freeing a large table's pages is bulk work too
+
+        self._map(drop, self._backends)
         self._index_catalog.remove(table)
         self._tables_ready.discard(table)
         self._cache.index_changed(table)
