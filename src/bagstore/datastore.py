@@ -459,6 +459,7 @@ class Datastore:
             raise ConfigurationError(f"no index {table!r} on kind {self.kind!r}")
         if state != RETIRED:
             raise ConfigurationError(f"index {table!r} is {state}: retire it before dropping it")
+
         def drop(b: Backend) -> None:
             b.drop_index_table(table)
             b.after_bulk_step()  # freeing a large table's pages is bulk work too
