@@ -497,3 +497,17 @@ def test_backfill_checkpoints_sqlite_wal_itself(
         assert frames == copied > 0
     finally:
         ds.close()
+
+
+def test_throttle_without_backoff_pauses_in_proportion_only() -> None:
+    # A bucket move's steps vary in size: a 3-row step's time per row is no sign
+    # of a busy database.
+    t = Throttle(duty=1.0, adaptive=False)
+    assert t.pause_after(100, 0.010) == pytest.approx(0.010)
+    assert t.pause_after(3, 0.004) == pytest.approx(0.004)
+    assert t.pause_after(3, 0.004) == pytest.approx(0.004)
+    assert t.extra == 0.0
+    adaptive = Throttle(duty=1.0)
+    adaptive.pause_after(100, 0.010)
+    adaptive.pause_after(3, 0.004)
+    assert adaptive.pause_after(3, 0.004) > 0.004  # taken for a slow database

@@ -106,12 +106,16 @@ class Throttle:
     not taken for a busy database, while live traffic that suddenly slows the
     batches down is.  (Smoothed, because one slow batch is usually a thread
     waiting for the interpreter lock or the CPU, not a busy database.)
-    ``max_rate`` caps rows per second.
+    ``max_rate`` caps rows per second.  ``adaptive=False`` leaves out the
+    per-row backoff, for work whose steps vary in size (a bucket move's last
+    step of a bucket may hold a few rows, whose time per row says nothing about
+    the database).
     """
 
     max_rate: float | None = None
     duty: float = 0.5
     max_pause: float = 1.0
+    adaptive: bool = True
     usual: float | None = None
     smooth: float | None = None
     extra: float = 0.0
@@ -121,7 +125,7 @@ class Throttle:
     def pause_after(self, rows: int, seconds: float) -> float:
         """The pause owed after a batch of ``rows`` that took ``seconds``."""
         self.rows += rows
-        if rows:
+        if rows and self.adaptive:
             per_row = seconds / rows
             smooth = per_row if self.smooth is None else 0.75 * self.smooth + 0.25 * per_row
             usual = smooth if self.usual is None else self.usual

@@ -18,11 +18,11 @@ rolled back:
 
 Writes to the bucket wait only for step 2's final sync of one bucket.
 
-The copy of step 1 and the deletes of step 4 are paced like the Cleaner's
-backfill (:class:`bagstore.cleaner.Throttle`): after each batch the mover
-pauses ``duty`` times as long as the batch took (longer when batches slow
-down: the database is busy), so that live traffic keeps its latency; step 2 is
-never paced, since writers to the bucket wait for it.
+The copy of step 1 and the deletes of step 4 are paced with the Cleaner's
+:class:`bagstore.cleaner.Throttle`: after each step the mover pauses ``duty``
+times as long as the step took (a slow step earns a long pause), so that live
+traffic keeps its latency; step 2 is never paced, since writers to the bucket
+wait for it.
 
     >>> import bagstore, tempfile
     >>> root = tempfile.mkdtemp()
@@ -117,7 +117,7 @@ class Mover:
         self.duty = duty
         self.max_rate = max_rate
         self.index_catalog = IndexCatalog(ds._catalog_backend)
-        self._throttle = Throttle(max_rate=max_rate, duty=duty)
+        self._throttle = Throttle(max_rate=max_rate, duty=duty, adaptive=False)
 
     def _paced(self, backend: Backend, rows: int, started: float, paced: bool) -> None:
         """After a step of ``rows`` rows written on ``backend``, begun at
