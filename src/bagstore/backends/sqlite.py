@@ -7,7 +7,7 @@ of failing to upgrade a read lock.  They queue in bagstore, not in SQLite's own
 busy handler: that one sleeps 1, 2, 5, 10 ms... between tries, so a writer that
 finds the lock held for a fraction of a millisecond waited at least 1 ms and
 often 8 or 18.  Here a unit of work refused with ``SQLITE_BUSY`` is run again
-after 50 µs, doubling up to 2 ms, until ``busy_timeout`` seconds have passed.
+after 50 µs, doubling up to 0.5 ms, until ``busy_timeout`` seconds have passed.
 
 ``synchronous=NORMAL`` by default: in WAL mode a crash of the process loses
 nothing, a power cut may lose the last transactions (``synchronous="FULL"``
@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 #: Waits between tries of a unit of work that found the database locked.
 _BUSY_FIRST_WAIT = 0.00005
-_BUSY_MAX_WAIT = 0.002
+_BUSY_MAX_WAIT = 0.0005
 
 _SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
