@@ -15,8 +15,8 @@ with ``--rows`` FriendFeed-style entities (default 200,000; 20 per user) by
 ``ds.rebalance(grace=0)``, which moves a third of the buckets to it.  Later
 rounds move the same buckets back to where they came from, then out again
 (``ds.move_buckets(..., grace=0)``), so that every round moves the same rows.
-The mover is paced as a user's would be: its default ``duty`` (a pause after
-each copy step as long as the step), or ``--duty`` (0: flat out).
+The mover runs as a user's would: at its default ``duty`` (0: flat out), or
+at ``--duty D`` (a pause after each copy step, D times as long as the step).
 
 While each round runs, a separate process (no GIL shared with the mover) puts
 entities at ``--rate`` per second (default 500; 90% new, 10% updates), routed by

@@ -189,7 +189,7 @@ def _pacing(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option(
         "--duty",
         type=click.FloatRange(0, 10),
-        default=1.0,
+        default=0.0,
         show_default=True,
         help="After each copy step, pause this many times as long as it took "
         "(0: flat out); the final sync of a frozen bucket is never paced.",

@@ -874,7 +874,7 @@ class Datastore:
         """Move buckets to a shard while serving (see :mod:`bagstore.scaleout`);
         ``grace``: seconds to keep the source copy for stale readers (default
         ``refresh_interval`` + 1); ``duty``: pause after each copy step, in units
-        of its duration (default 1; 0: flat out); ``max_rate``: rows per second."""
+        of its duration (default 0: flat out); ``max_rate``: rows per second."""
         return self._mover(grace, duty, max_rate).move(buckets, to)
 
     def rebalance(

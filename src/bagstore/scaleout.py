@@ -60,10 +60,11 @@ __all__ = ["MoveStats", "Mover"]
 COPY, FROZEN_PHASE, SWITCHED = "copy", "frozen", "switched"
 
 #: Rows per copy or delete step, and the pause after a step in units of its
-#: duration: what bench.scaleout found keeps a concurrent writer's p99 latency
-#: within about twice its usual value on SQLite and MariaDB.
+#: duration.  Flat out by default: on the 2-core machine measured, pausing as
+#: long as each step (duty=1) made moves twice as slow without lowering a
+#: concurrent writer's p99 (bench/RESULTS.md); a busier server may differ.
 DEFAULT_BATCH = 100
-DEFAULT_DUTY = 1.0
+DEFAULT_DUTY = 0.0
 
 
 @dataclass
@@ -84,8 +85,8 @@ class Mover:
 
     ``batch``: rows copied or deleted per step; ``duty``: after each step of a
     bucket's copy (and of the deletes that end a move), pause this many times
-    as long as the step took (0: flat out); ``max_rate``: rows per second at
-    most (None: no cap).
+    as long as the step took (0, the default: flat out); ``max_rate``: rows
+    per second at most (None: no cap).
     """
 
     def __init__(
