@@ -114,9 +114,21 @@ class MemcachedCache:
             default_noreply=False,
         )
 
+        # One server: multi-gets go to its client directly, skipping HashClient's
+        # per-key check and hashing (a third of a cached query page's time).
+        clients = list(self._client.clients.values())
+        self._single: Any = clients[0] if len(clients) == 1 else None
+
     def get_many(self, keys: Sequence[str]) -> dict[str, tuple[bytes, Any]]:
         if not keys:
             return {}
+        single = self._single
+        if single is not None and single.server not in self._client._failed_clients:
+            try:
+                fast: dict[str, tuple[bytes, Any]] = single.gets_many(list(keys))
+                return fast
+            except OSError:
+                pass  # again through HashClient, which marks the server failing
         got: dict[str, tuple[bytes, Any]] = self._client.gets_many(list(keys))
         return got
 
