@@ -63,6 +63,8 @@ def test_shard_add_rebalance_list(tmp_path: Path) -> None:
         assert [e["n"] for e in ds.get_many(ids)] == list(range(100))  # type: ignore[index]
     result = run(store, "shard", "move", "--to", "0", "--duty", "-1", "15")
     assert result.exit_code == 2 and "--duty" in result.output
+    result = run(store, "shard", "rebalance", "--max-rate", "0")
+    assert result.exit_code == 2 and "max_rate must be a positive number" in result.output
     result = ok(store, "shard", "move", "--to", "0", "--grace", "0", "--duty", "0.5", "15")
     assert "moved 1 buckets" in result.stdout
     assert run(store, "shard", "rollback", "3").exit_code == 2  # nothing unfinished
