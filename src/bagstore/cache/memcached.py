@@ -116,14 +116,17 @@ class MemcachedCache:
 
         # One server: multi-gets go to its client directly, skipping HashClient's
         # per-key check and hashing (a third of a cached query page's time).
+        # (HashClient's failure bookkeeping is private: without it, no shortcut.)
         clients = list(self._client.clients.values())
-        self._single: Any = clients[0] if len(clients) == 1 else None
+        failed = getattr(self._client, "_failed_clients", None)
+        self._failed: Any = failed if isinstance(failed, dict) else None
+        self._single: Any = clients[0] if len(clients) == 1 and self._failed is not None else None
 
     def get_many(self, keys: Sequence[str]) -> dict[str, tuple[bytes, Any]]:
         if not keys:
             return {}
         single = self._single
-        if single is not None and single.server not in self._client._failed_clients:
+        if single is not None and single.server not in self._failed:
             try:
                 fast: dict[str, tuple[bytes, Any]] = single.gets_many(list(keys))
                 return fast
