@@ -142,6 +142,20 @@ class Throttle:
         return min(pause, self.max_pause) if not self.max_rate else pause
 
 
+def check_pacing(batch: int, duty: float, max_rate: float | None) -> None:
+    """Raise ConfigurationError unless these are valid settings of bulk work
+    (the Cleaner's, the Mover's): ``batch`` rows a step, ``duty`` and
+    ``max_rate`` as :class:`Throttle` takes them."""
+    if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 10_000:
+        raise ConfigurationError(f"batch must be from 1 to 10000, not {batch!r}")
+    if not isinstance(duty, int | float) or isinstance(duty, bool) or not 0 <= duty <= 10:
+        raise ConfigurationError(f"duty must be a number from 0 to 10, not {duty!r}")
+    if max_rate is not None and (
+        not isinstance(max_rate, int | float) or isinstance(max_rate, bool) or max_rate <= 0
+    ):
+        raise ConfigurationError(f"max_rate must be a positive number, not {max_rate!r}")
+
+
 class Cleaner:
     """Backfill and repair for one datastore (one kind).
 
@@ -161,14 +175,7 @@ class Cleaner:
         duty: float = 0.5,
         settle: float | None = None,
     ) -> None:
-        if not 1 <= batch <= 10_000:
-            raise ConfigurationError(f"batch must be from 1 to 10000, not {batch!r}")
-        if not isinstance(duty, int | float) or isinstance(duty, bool) or not 0 <= duty <= 10:
-            raise ConfigurationError(f"duty must be a number from 0 to 10, not {duty!r}")
-        if max_rate is not None and (
-            not isinstance(max_rate, int | float) or isinstance(max_rate, bool) or max_rate <= 0
-        ):
-            raise ConfigurationError(f"max_rate must be a positive number, not {max_rate!r}")
+        check_pacing(batch, duty, max_rate)
         self.ds = datastore
         self.batch = batch
         self.max_rate = max_rate

@@ -48,7 +48,7 @@ from bagstore.backends import Backend, open_backend
 from bagstore.backends.buckets import FROZEN, INCOMING, OWNED
 from bagstore.backends.indexsql import IndexRow
 from bagstore.catalog import IndexCatalog
-from bagstore.cleaner import Throttle
+from bagstore.cleaner import Throttle, check_pacing
 from bagstore.errors import ConfigurationError
 from bagstore.index import Index
 
@@ -99,14 +99,7 @@ class Mover:
         duty: float = DEFAULT_DUTY,
         max_rate: float | None = None,
     ) -> None:
-        if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 10_000:
-            raise ConfigurationError(f"batch must be from 1 to 10000, not {batch!r}")
-        if not isinstance(duty, int | float) or isinstance(duty, bool) or not 0 <= duty <= 10:
-            raise ConfigurationError(f"duty must be a number from 0 to 10, not {duty!r}")
-        if max_rate is not None and (
-            not isinstance(max_rate, int | float) or isinstance(max_rate, bool) or max_rate <= 0
-        ):
-            raise ConfigurationError(f"max_rate must be a positive number, not {max_rate!r}")
+        check_pacing(batch, duty, max_rate)
         if grace is not None and (
             not isinstance(grace, int | float) or isinstance(grace, bool) or grace < 0
         ):

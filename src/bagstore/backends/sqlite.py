@@ -190,28 +190,23 @@ class SQLiteBackend(Backend):
         """:meth:`Backend.run`, run again while the database is locked by another
         connection (short waits, see the module's text), for ``busy_timeout``
         seconds at most."""
-        try:
-            return super().run(work, *args, attempts=attempts)
-        except ShardTimeout as exc:
-            if not _is_busy(exc.__cause__):
-                raise
-            first = exc
-        deadline = time.monotonic() + self._busy_timeout
+        deadline: float | None = None
         wait = _BUSY_FIRST_WAIT
         while True:
-            now = time.monotonic()
-            if now >= deadline:
-                raise ShardTimeout(
-                    f"{self.name}: the database stayed locked by another connection for "
-                    f"{self._busy_timeout:g} s (busy_timeout)"
-                ) from first.__cause__
-            time.sleep(min(wait, deadline - now))
-            wait = min(2 * wait, _BUSY_MAX_WAIT)
             try:
                 return super().run(work, *args, attempts=attempts)
             except ShardTimeout as exc:
                 if not _is_busy(exc.__cause__):
                     raise
+                now = time.monotonic()
+                deadline = now + self._busy_timeout if deadline is None else deadline
+                if now >= deadline:
+                    raise ShardTimeout(
+                        f"{self.name}: the database stayed locked by another connection for "
+                        f"{self._busy_timeout:g} s (busy_timeout)"
+                    ) from exc.__cause__
+            time.sleep(min(wait, deadline - now))
+            wait = min(2 * wait, _BUSY_MAX_WAIT)
 
     def _read(self, sql: str, params: Sequence[Any], *, one: bool) -> Any:
         local = self._local
@@ -220,12 +215,10 @@ class SQLiteBackend(Backend):
             rows = super().fetchall(sql, params)
             return (rows[0] if rows else None) if one else rows
         try:
-            cur = conn.execute(sql, params)
-            return cur.fetchone() if one else cur.fetchall()
+            return _fetch(conn, sql, params, one)
         except sqlite3.Error as exc:
             if _is_busy(exc):  # rare for a read in WAL mode: wait as writers do
-                rows = self.run(_fetch, sql, params, one)
-                return rows
+                return self.run(_fetch, sql, params, one)
             error = self.translated(exc)
             if isinstance(error, ShardUnavailable):
                 self._discard(conn)
