@@ -714,6 +714,117 @@ def test_two_memcached_servers_share_the_keys(tmp_path: Any) -> None:
         two.stop()
 
 
+# -- the multi-get reader ---------------------------------------------------------------------
+def test_multi_get_reader_agrees_with_pymemcache(memcached_server: servers.Memcached) -> None:
+    """bagstore parses multi-get replies itself: same answers as pymemcache's own
+    client for awkward values, replies larger than one read, and absent keys."""
+    from pymemcache.client.base import Client
+
+    from bagstore.cache.memcached import MemcachedCache
+
+    server = memcached_server
+    ours = MemcachedCache([(server.host, server.port)])
+    reference = Client((server.host, server.port))
+    try:
+        tag = f"mg{os.getpid()}x{next(_names)}:"
+        values = {
+            tag + "crlf": b"a\r\nEND\r\nVALUE x 0 1 1\r\nz\r\n",
+            tag + "empty": b"",
+            tag + "end": b"END",
+            tag + "big": os.urandom(900_000),  # many reads for one value
+            **{f"{tag}{i}": os.urandom(i * 37 % 3000) for i in range(300)},  # > 64 KB reply
+        }
+        assert reference.set_many(values, expire=60, noreply=False) == []
+        keys = [*values, tag + "absent", tag + "absent2"]
+        for asked in (keys, keys[::-1], [tag + "absent"], [tag + "crlf"], keys[3:5]):
+            got = ours.get_many(asked)
+            want = reference.gets_many(asked)
+            assert got.keys() == want.keys() == {k for k in asked if k in values}
+            for k, (value, token) in got.items():
+                assert value == values[k] == want[k][0]
+                assert token == want[k][1]
+        # the connection is left clean: the next reply is read from its start
+        token = reference.gets(tag + "end")[1]
+        assert ours.get_many([tag + "end"]) == {tag + "end": (b"END", token)}
+    finally:
+        ours.close()
+        reference.close()
+
+
+@pytest.mark.parametrize(
+    "bad", ["has space", "tab\tkey", "new\nline", "", "x" * 251, "nul\0", "caf\u00e9", "del\x7f"]
+)
+def test_multi_get_reader_refuses_keys_memcached_cannot_take(
+    memcached_server: servers.Memcached, bad: str
+) -> None:
+    from pymemcache.exceptions import MemcacheIllegalInputError
+
+    from bagstore.cache.memcached import MemcachedCache
+
+    ours = MemcachedCache([(memcached_server.host, memcached_server.port)])
+    try:
+        with pytest.raises(MemcacheIllegalInputError, match="not a memcached key"):
+            ours.get_many(["fine", bad])
+        with pytest.raises(MemcacheIllegalInputError, match="not a memcached key"):
+            ours.get_many([bad])
+        assert ours.get_many(["fine" * 62]) == {}  # 248 bytes: taken
+    finally:
+        ours.close()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"SERVER_ERROR out of memory\r\n",
+        b"HELLO\r\n",
+        b"VALUE k 0 5 1\r\nabc",  # cut short, then closed
+        b"VALUE k 0 3 1\r\nabcdef\r\nEND\r\n",  # longer than it said
+        b"VALUE other 0 1 1\r\na\r\nEND\r\n",  # a key not asked for
+    ],
+)
+def test_a_server_answering_garbage_degrades_to_the_database(tmp_path: Any, reply: bytes) -> None:
+    """A process on the cache's port that does not speak memcached properly:
+    reads are right (from the database), each bad reply counted as an error."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(1)
+                try:
+                    if conn.recv(65536):  # "VALUE k": the key asked for
+                        conn.sendall(reply.replace(b"VALUE k ", b"VALUE " + last_key[0] + b" "))
+                except OSError:
+                    pass
+
+    last_key = [b"k"]
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ds = bagstore.open(tmp_path, cache=f"memcached://127.0.0.1:{port}")
+    try:
+        a = ds.put({"n": 1})
+        last_key[0] = ds._cache.entity_key(a).encode()
+        for _ in range(3):
+            assert ds.get(a) == {"id": a, "n": 1}
+            assert ds.get_many([a]) == [{"id": a, "n": 1}]
+        assert ds.stats()["l2"]["errors"] > 0
+        assert ds.stats()["l2"]["hits"] == 0
+    finally:
+        ds.close()
+        stop.set()
+        thread.join()
+        listener.close()
+
+
 # -- configuration -----------------------------------------------------------------------------
 def test_cache_configuration_errors(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in (
