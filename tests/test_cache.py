@@ -429,7 +429,7 @@ def test_garbage_in_the_cache_reads_as_a_miss(topo: Topology, cache_url: str) ->
         assert ids(user_pub.get_all(ds, user_id=b"g1")) == [a]
         assert ids(user_pub.get_all(ds, user_id=b"g1")) == [a]
         base = f"{plan.fingerprint()}|None|None"
-        revs, _ = layer._memo[base]
+        revs = layer._memo[base].revs
         page_key = layer._hashed("l", base.encode(), *[str(v).encode() for v in revs])
         assert layer.cache.get_many([page_key])  # the page is there, under that key
         layer.cache.set_many({page_key: junk or b"x"}, 60)
@@ -480,7 +480,7 @@ def test_a_page_whose_entity_no_longer_matches_is_a_miss(topo: Topology) -> None
     assert layer.cache is not None
     plan = plan_query(user_pub, parse_filters({"user_id": b"c1"}), None)
     base = f"{plan.fingerprint()}|None|None"
-    revs, _ = layer._memo[base]
+    revs = layer._memo[base].revs
     key = layer._hashed("l", base.encode(), *[str(v).encode() for v in revs])
     layer.cache.set_many({key: encode_list(key, [other], None)}, 60)
     before = ds.stats()

@@ -95,6 +95,27 @@ class _Failed:
     """What a guarded level-2 call returns after a client error."""
 
 
+class _Seen:
+    """What this process last saw of one query's page: the revisions it was
+    found under and its ids, with the keys worked out once (the scopes' revision
+    keys, the page's key, and ``ask``: all of them and the entities' keys, the
+    multi-get of the next read)."""
+
+    __slots__ = ("ask", "ids", "page_key", "revs", "scopes")
+
+    def __init__(
+        self,
+        layer: CacheLayer,
+        base: str,
+        scopes: list[str],
+        revs: tuple[int, ...],
+        ids: tuple[bytes, ...],
+    ) -> None:
+        self.scopes, self.revs, self.ids = scopes, revs, ids
+        self.page_key = layer._hashed("l", base.encode(), *_rev_bytes(revs))
+        self.ask = [*scopes, self.page_key, *(layer.entity_key(i) for i in ids)]
+
+
 _FAILED = _Failed()
 _NO_ENTITY: list[Any] = [None]
 
@@ -132,8 +153,8 @@ class CacheLayer:
         self._lock = threading.Lock()
         self._pending: OrderedDict[str, bytes | None] = OrderedDict()
         self._retry_at = 0.0
-        #: query -> (revisions its page was last found under, that page's ids)
-        self._memo: OrderedDict[str, tuple[tuple[int, ...], tuple[bytes, ...]]] = OrderedDict()
+        #: query -> what this process last saw of its page (see :class:`_Seen`)
+        self._memo: OrderedDict[str, _Seen] = OrderedDict()
 
     # -- keys ------------------------------------------------------------------------
     def entity_key(self, entity_id: bytes) -> str:
@@ -433,9 +454,10 @@ class CacheLayer:
                     return result
             self.stats.l1.add(misses=1)
         result = self._read_list_l2(plan, base, run, load) if self.cache is not None else run()
-        ids = _ids_of(result)
-        if rc is not None and ids is not None:
-            rc.lists[self.prefix + base] = (ids, result.cursor)
+        if rc is not None:
+            ids = _ids_of(result)
+            if ids is not None:
+                rc.lists[self.prefix + base] = (ids, result.cursor)
         return result
 
     def _read_list_l2(
@@ -446,21 +468,20 @@ class CacheLayer:
         load: Callable[[list[bytes]], dict[bytes, Stored]],
     ) -> QueryResult:
         assert self.cache is not None
-        scope_keys = self.scope_keys(plan)
+        with self._lock:
+            seen = self._memo.get(base)
+        scope_keys = seen.scopes if seen is not None else self.scope_keys(plan)
         skip = self._bypassed()
         if skip and any(k in skip for k in scope_keys):
             self.stats.l2.add(misses=1)
             return run()
-        with self._lock:
-            guess, guess_ids = self._memo.get(base, (None, ()))
-        guess_key = self._hashed("l", base.encode(), *_rev_bytes(guess)) if guess else None
         # With the revisions this process saw last, ask for the page they name and
         # the entities that page held: a page that did not change is rebuilt from
         # this one multi-get (entities are still checked as any read checks them).
-        prefetch = [self._ekey + i.hex() for i in guess_ids] if guess_key else []
-        got = self._l2(
-            "get", self.cache.get_many, [*scope_keys, *filter(None, [guess_key]), *prefetch]
+        guess, guess_ids, guess_key = (
+            (seen.revs, seen.ids, seen.page_key) if seen is not None else (None, (), None)
         )
+        got = self._l2("get", self.cache.get_many, seen.ask if seen is not None else scope_keys)
         if isinstance(got, _Failed):
             self.stats.l2.add(misses=1)
             return run()
@@ -478,11 +499,16 @@ class CacheLayer:
             self.stats.l2.add(misses=1)
             return run()
         current_revs = tuple(revs)
-        key = self._hashed("l", base.encode(), *_rev_bytes(current_revs))
-        if current_revs == guess:
+        if current_revs == guess and guess_key is not None:
+            key = guess_key
             item = got.get(key)
+            if item is not None and not skip and current() is None:
+                # the usual hit: the page this process saw last, its entities in hand
+                hit = self._page_hit(plan, key, item[0], guess_ids, got)
+                if hit is not None:
+                    return hit
         else:
-            self._remember_page(base, current_revs, ())
+            key = self._remember_page(base, scope_keys, current_revs, ()).page_key
             more = self._l2("get", self.cache.get_many, [key])
             item = more.get(key) if isinstance(more, dict) else None
         if item is not None:
@@ -491,7 +517,7 @@ class CacheLayer:
                 result = _rebuild(plan, page[0], page[1], lambda ids: self.decoded(ids, load, got))
                 if result is not None:
                     if current_revs != guess or tuple(page[0]) != guess_ids:
-                        self._remember_page(base, current_revs, page[0])
+                        self._remember_page(base, scope_keys, current_revs, page[0])
                     self.stats.l2.add(hits=1)
                     return result
         self.stats.l2.add(misses=1)
@@ -500,7 +526,7 @@ class CacheLayer:
         if self.before_fill is not None:
             self.before_fill("list", [key])
         if ids is not None:
-            self._remember_page(base, current_revs, ids)
+            self._remember_page(base, scope_keys, current_revs, ids)
         value = encode_list(key, ids, result.cursor) if ids is not None else None
         if value is not None and len(value) <= MAX_VALUE:
             fill = self.cache.set_many if item is not None else self.cache.add_many
@@ -508,14 +534,45 @@ class CacheLayer:
                 self.stats.l2.add(fills=1)
         return result
 
-    def _remember_page(self, base: str, revs: tuple[int, ...], ids: Sequence[bytes]) -> None:
+    def _page_hit(
+        self,
+        plan: Plan,
+        key: str,
+        value: bytes,
+        ids: tuple[bytes, ...],
+        got: Mapping[str, tuple[bytes, Any]],
+    ) -> QueryResult | None:
+        """The page in ``value`` if it holds ``ids``, each entity's entry is in
+        ``got`` and still matches the query; None for anything else (the
+        general path then decides)."""
+        page = decode_list(key, value)
+        if page is None or tuple(page[0]) != ids:
+            return None
+        ekey, out = self._ekey, []
+        for i in ids:
+            item = got.get(ekey + i.hex())
+            entry = decode_value(i, item[0]) if item is not None else None
+            if type(entry) is not Stored:
+                return None
+            entity = codec.decode(entry.body)
+            if not all(f.matches(entity) for f in plan.filters):
+                return None
+            out.append(entity)
+        self.stats.l2.add(hits=len(ids) + 1)
+        return QueryResult(out, page[1])
+
+    def _remember_page(
+        self, base: str, scopes: list[str], revs: tuple[int, ...], ids: Sequence[bytes]
+    ) -> _Seen:
         """Remember the revisions a query's page was last found under, and its ids
         when there are few (to ask for them with the next read of that page)."""
+        seen = _Seen(self, base, scopes, revs, tuple(ids) if len(ids) <= MAX_PREFETCH else ())
         with self._lock:
-            self._memo[base] = (revs, tuple(ids) if len(ids) <= MAX_PREFETCH else ())
+            self._memo[base] = seen
             self._memo.move_to_end(base)
             if len(self._memo) > MAX_PENDING:
                 self._memo.popitem(last=False)
+        return seen
 
     # -- writes ----------------------------------------------------------------------
     def before_write(self, ids: Sequence[bytes]) -> None:

@@ -94,7 +94,9 @@ def _client_classes() -> tuple[type, type]:
         def _read_values(
             self, name: bytes, by_key: dict[bytes, Any], expect_cas: bool
         ) -> dict[Any, Any]:
-            sock, deserialize = self.sock, self.serde.deserialize
+            sock = self.sock
+            # bagstore's own serde hands the bytes back as they are: not called
+            deserialize = None if type(self.serde) is _BytesSerde else self.serde.deserialize
             header = _VALUE_CAS if expect_cas else _VALUE
             buf, pos = b"", 0
             out: dict[Any, Any] = {}
@@ -121,7 +123,9 @@ def _client_classes() -> tuple[type, type]:
                 wanted = by_key.get(key)
                 if wanted is None:
                     raise MemcacheUnknownError(f"a value for a key not asked for: {key[:64]!r}")
-                value = deserialize(wanted, buf[start:stop], int(flags))
+                value = buf[start:stop]
+                if deserialize is not None:
+                    value = deserialize(wanted, value, int(flags))
                 out[wanted] = (value, cas) if expect_cas else value
                 pos = stop + 2
 
