@@ -714,6 +714,25 @@ def test_two_memcached_servers_share_the_keys(tmp_path: Any) -> None:
         two.stop()
 
 
+def test_entity_body_agrees_with_decode_value() -> None:
+    """The page hit's check of an entity entry accepts exactly what
+    decode_value calls an entity: markers, garbage and damaged entries are None."""
+    from bagstore.cache.base import encode_entity, encode_marker, entity_body
+
+    eid = os.urandom(16)
+    entry = encode_entity(eid, Stored(b"\x01body", 3, 12345))
+    assert entity_body(eid, entry) == b"\x01body" == decode_value(eid, entry).body  # type: ignore[union-attr]
+    damaged = [entry[:-1], entry[:10], entry[:-1] + bytes([entry[-1] ^ 1]), b"", os.urandom(40)]
+    damaged += [entry[:5] + bytes([entry[5] ^ 1]) + entry[6:]]  # the version
+    for bad in damaged:
+        assert entity_body(eid, bad) is None
+        assert not isinstance(decode_value(eid, bad), Stored)
+    assert entity_body(os.urandom(16), entry) is None  # another entity's entry
+    for marker in (encode_marker(3), encode_marker(4, gone=True)):
+        assert entity_body(eid, marker) is None
+        assert isinstance(decode_value(eid, marker), Marker)
+
+
 # -- the multi-get reader ---------------------------------------------------------------------
 def test_multi_get_reader_agrees_with_pymemcache(memcached_server: servers.Memcached) -> None:
     """bagstore parses multi-get replies itself: same answers as pymemcache's own

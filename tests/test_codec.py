@@ -633,3 +633,22 @@ def test_concurrent_encode_and_decode_in_many_threads() -> None:
     for w in workers:
         w.join()
     assert not failures, failures[0]
+
+
+def test_decode_without_the_checksum_is_only_for_verified_bytes() -> None:
+    """``checksum=False`` decodes the same entity; the default still refuses a
+    flipped bit that msgpack alone would decode to something else."""
+    entity = {"name": "Ann", "n": 7, "tags": ["a", "b"]}
+    data = codec.encode(entity)
+    assert codec.decode(data, checksum=False) == codec.decode(data) == entity
+    flipped = bytearray(data)
+    flipped[data.index(b"Ann") + 1] ^= 0x01  # "Aon": still valid msgpack
+    assert codec.decode(bytes(flipped), checksum=False) == {**entity, "name": "Aon"}
+    with pytest.raises(InvalidEntity, match="checksum"):
+        codec.decode(bytes(flipped))
+    big = {"text": "x" * 10_000}  # zstd: its frame checksum is always checked
+    packed = bytearray(codec.encode(big))
+    assert codec.decode(bytes(packed), checksum=False) == big
+    packed[-5] ^= 0x40
+    with pytest.raises(InvalidEntity):
+        codec.decode(bytes(packed), checksum=False)

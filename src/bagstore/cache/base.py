@@ -109,6 +109,16 @@ def decode_value(entity_id: bytes, value: bytes) -> Stored | Marker | None:
     return None
 
 
+def entity_body(entity_id: bytes, value: bytes) -> bytes | None:
+    """The body of an intact entity entry, else None (a marker, garbage): what
+    :func:`decode_value` checks, without building its result."""
+    if value[:3] != _E or len(value) < _ENTITY.size:
+        return None
+    body = value[_ENTITY.size :]
+    crc = zlib.crc32(body, zlib.crc32(value[3:19], zlib.crc32(entity_id)))
+    return body if crc == int.from_bytes(value[19:23], "big") else None
+
+
 def encode_list(key: str, ids: Sequence[bytes], cursor: str | None) -> bytes:
     """The cache value of one query page."""
     raw_cursor = b"" if cursor is None else b"\x01" + cursor.encode()

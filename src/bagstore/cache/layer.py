@@ -59,6 +59,7 @@ from bagstore.cache.base import (
     encode_entity,
     encode_list,
     encode_marker,
+    entity_body,
 )
 from bagstore.cache.request import _current, copy_entity, current, entity_copy
 from bagstore.index import READY
@@ -548,15 +549,16 @@ class CacheLayer:
         page = decode_list(key, value)
         if page is None or tuple(page[0]) != ids:
             return None
-        ekey, out = self._ekey, []
+        ekey, filters, out = self._ekey, plan.filters, []
         for i in ids:
             item = got.get(ekey + i.hex())
-            entry = decode_value(i, item[0]) if item is not None else None
-            if type(entry) is not Stored:
+            body = entity_body(i, item[0]) if item is not None else None
+            if body is None:
                 return None
-            entity = codec.decode(entry.body)
-            if not all(f.matches(entity) for f in plan.filters):
-                return None
+            entity = codec.decode(body, checksum=False)  # entity_body checked these bytes
+            for f in filters:
+                if not f.matches(entity):
+                    return None
             out.append(entity)
         self.stats.l2.add(hits=len(ids) + 1)
         return QueryResult(out, page[1])
