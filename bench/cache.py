@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import bagstore
+from bagstore.query import parse_filters, plan_query
 from bench.common import (
     Result,
     Work,
@@ -194,9 +195,15 @@ def works(
     cache = layer.cache
     cached.get_many(ids)  # warm: replace the writers' markers
     cached.get_many(ids)
-    for u in users:
-        user_pub.get_all(cached, user_id=u)
-    scope = {u: layer.shard_scope_key(user_pub.table, u) for u in users}
+    for _ in range(3):  # revisions started, page stored, then read from the cache
+        for u in users:
+            user_pub.get_all(cached, user_id=u)
+    # each user's query's scope revisions (without the index epoch): a write to
+    # the user bumps these
+    scope = {
+        u: layer.scope_keys(plan_query(user_pub, parse_filters({"user_id": u}), None))[:-1]
+        for u in users
+    }
 
     def some_ids(n: int, side: str) -> list[bytes]:
         return [rng.choice(ids) for _ in range(n)]
@@ -216,7 +223,7 @@ def works(
     def stale_users(n: int, side: str) -> list[bytes]:
         chosen = rng.sample(users, min(n, len(users)))
         if side == "bag":  # as a write to each user would: the page is gone
-            cache.bump([scope[u] for u in chosen], time.time_ns() // 1000, 3600)
+            cache.bump([k for u in chosen for k in scope[u]], time.time_ns() // 1000, 3600)
         return chosen
 
     def query(ds: bagstore.Datastore) -> Callable[[bytes], object]:
