@@ -300,6 +300,27 @@ def test_query_with_shard_on_reads_one_shard(ds: bagstore.Datastore) -> None:
     assert [b.scans for b in ds._backends] == [1, 1, 1, 1]
 
 
+def test_scatter_page_from_one_crowded_shard(topo: Topology) -> None:
+    """A scatter query reads a short first page from each shard; when one shard
+    holds most of the page, that shard alone is read again, and the page is
+    the same as a single shard's answer."""
+    hot = bagstore.Index(
+        table="index_hot", properties=["published", "user_id"], shard_on="user_id"
+    )
+    ds = topo.open(indexes=[hot])
+    crowded = ds.put_many([{"user_id": b"hot", "published": i} for i in range(40)])
+    ds.put_many([{"user_id": b"cold%d" % i, "published": 100 + i} for i in range(6)])
+    for b in ds._backends:
+        b.scans = 0
+    page = hot.get_all(ds, published__gte=0, limit=25)
+    assert ids_of(page) == crowded[:25] and page.cursor is not None
+    scans = [b.scans for b in ds._backends]
+    assert max(scans) == 2 and scans.count(2) == 1  # the crowded shard, read twice
+    rest = hot.get_all(ds, published__gte=0, limit=25, cursor=page.cursor)
+    assert [e["published"] for e in rest] == [*range(25, 40), *range(100, 106)]
+    assert rest.cursor is None
+
+
 def test_ds_query_picks_the_best_index(ds: bagstore.Datastore) -> None:
     for i in range(10):
         ds.put({"user_id": b"u", "published": i, "name": f"n{i}"})

@@ -693,7 +693,7 @@ class Datastore:
                 job[0].fetch()
                 return
             for s in job:
-                s.scan.limit = s.page
+                s.scan.limit = s.next
             pages = scan_index_together([(s.backend, s.scan) for s in job])
             for s, rows in zip(job, pages, strict=True):
                 s.accept(rows)

@@ -303,21 +303,27 @@ def shard_scans(
 
 
 class _Stream:
-    """One shard's scan, fetched a page at a time from the keyset position."""
+    """One shard's scan, fetched a page at a time from the keyset position.
+
+    ``next`` is the size of the next page to read: ``page``, except that the
+    first page of a scan over several shards can be smaller (see
+    :func:`first_page`)."""
 
     def __init__(self, backend: Backend, scan: Scan, page: int) -> None:
         self.backend, self.scan, self.page = backend, scan, page
+        self.next = page
         self.rows: list[tuple[bytes, ...]] = []
         self.done = False
 
     def fetch(self) -> None:
-        self.scan.limit = self.page
+        self.scan.limit = self.next
         self.accept(self.backend.scan_index(self.scan))
 
     def accept(self, rows: list[tuple[bytes, ...]]) -> None:
-        """Take the next page of rows (read with ``scan.limit == page``)."""
+        """Take the next page of rows (read with ``scan.limit == next``)."""
         self.rows = rows
-        self.done = len(rows) < self.page
+        self.done = len(rows) < self.next
+        self.next = self.page
         if rows:
             self.scan.after = rows[-1]
 
@@ -328,6 +334,22 @@ class _Stream:
             if self.done:
                 return
             self.fetch()
+
+
+def first_page(limit: int | None, shards: int, page: int) -> int:
+    """Rows to read first from each of ``shards`` scans for a page of ``limit``.
+
+    The rows of one page are usually spread over the shards, so each is asked
+    for twice its even share (at least 10) rather than the whole page: with
+    rows spread evenly, a shard rarely holds more than that of a page's rows
+    (21 rows over 4 shards: 12 or more on one of them in under 1 query of
+    100), and then only that shard is read again, from where it stopped.  On
+    every other query, fewer rows cross the network and get parsed (a driver
+    in pure Python spends more on 60 rows than the server does on the scans).
+    """
+    if limit is None or shards <= 1:
+        return page
+    return min(page, max(10, 2 * -(-(limit + 1) // shards)))
 
 
 def stale(plan: Plan, row: tuple[bytes, ...], entity: Mapping[str, Any]) -> bool:
@@ -366,8 +388,10 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
         raise InvalidQuery("cursor must be the string a previous result gave")
     page = min(max((limit or 500) + 1, 20), 1000)
     streams = source.scan_streams(plan, page)
+    first = first_page(limit, len(streams), page)
     for s in streams:
         s.scan.after = after
+        s.next = first
     source.fetch_streams(streams)
     # One shard's scan is in index order already; several are merged.
     merged = iter(streams[0]) if len(streams) == 1 else heapq.merge(*streams, reverse=plan.desc)
