@@ -304,9 +304,7 @@ def test_scatter_page_from_one_crowded_shard(topo: Topology) -> None:
     """A scatter query reads a short first page from each shard; when one shard
     holds most of the page, that shard alone is read again, and the page is
     the same as a single shard's answer."""
-    hot = bagstore.Index(
-        table="index_hot", properties=["published", "user_id"], shard_on="user_id"
-    )
+    hot = bagstore.Index(table="index_hot", properties=["published", "user_id"], shard_on="user_id")
     ds = topo.open(indexes=[hot])
     crowded = ds.put_many([{"user_id": b"hot", "published": i} for i in range(40)])
     ds.put_many([{"user_id": b"cold%d" % i, "published": 100 + i} for i in range(6)])
