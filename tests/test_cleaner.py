@@ -122,6 +122,65 @@ def test_backfill_under_concurrent_updates_leaves_no_stale_rows(topo: Topology) 
     assert consistent(ds)
 
 
+def test_backfill_keeps_rows_of_an_entity_moved_during_its_batch(
+    topo: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entity whose bucket moves to another shard between the backfill's
+    read of a batch and its check of that batch is not gone: its rows stay."""
+    ds = topo.open()
+    ids = ds.put_many([{"link": f"m{i}"} for i in range(30)])
+    ds.add_index(link_idx)
+    moved = ids[7]
+    bucket = ds.bucket_of_id(moved)
+    assert bucket is not None
+    source = ds.placement.shard_of_bucket[bucket]
+    target = (source + 1) % len(ds._backends)
+    backend = ds._backends[source]
+    original = backend.stamps_between
+    done: list[bool] = []
+
+    def move_then_read(*args: Any, **kwargs: Any) -> Any:
+        if not done:  # once, after the batch holding `moved` was read and indexed
+            done.append(True)
+            ds.move_buckets([bucket], to=target, grace=0)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "stamps_between", move_then_read)
+    bagstore.Cleaner(ds, batch=50, duty=0, settle=0).backfill("index_link")
+    assert done
+    assert [e["id"] for e in link_idx.get_all(ds, link="m7")] == [moved]
+    assert consistent(ds)
+
+
+def test_repair_keeps_rows_of_an_entity_moved_during_its_batch(
+    topo: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same race for repair: an entity moved away after repair read its
+    batch is reconciled where it is now, not taken for deleted."""
+    ds = topo.open(indexes=[link_idx, user_idx])
+    ids = ds.put_many([{"link": f"r{i}", "user_id": b"u%d" % i} for i in range(30)])
+    moved = ids[11]
+    bucket = ds.bucket_of_id(moved)
+    assert bucket is not None
+    source = ds.placement.shard_of_bucket[bucket]
+    backend = ds._backends[source]
+    original = backend.versions
+    done: list[bool] = []
+
+    def move_then_read(*args: Any, **kwargs: Any) -> Any:
+        if not done:
+            done.append(True)
+            ds.move_buckets([bucket], to=(source + 1) % len(ds._backends), grace=0)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "versions", move_then_read)
+    stats = bagstore.Cleaner(ds, batch=100, duty=0).repair(sweep=False)
+    assert done and stats.removed == 0
+    assert [e["id"] for e in link_idx.get_all(ds, link="r11")] == [moved]
+    assert [e["id"] for e in user_idx.get_all(ds, user_id=b"u11")] == [moved]
+    assert consistent(ds)
+
+
 def test_backfill_does_not_chase_entities_added_while_it_runs(topo: Topology) -> None:
     ds = topo.open()
     ds.put_many([{"link": f"a{i}"} for i in range(400)])

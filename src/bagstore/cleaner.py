@@ -61,6 +61,7 @@ from bagstore.index import BUILDING, READY, Index
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
+    from bagstore.backends.base import Stored
     from bagstore.datastore import Datastore
 
 __all__ = ["CleanStats", "Cleaner", "Throttle"]
@@ -408,7 +409,9 @@ class Cleaner:
         changed = [i for i in wanted if now.get(i) != stamp[i]]
         if not changed:
             return 0
-        current = backend.get_bodies(self.ds.kind, changed)
+        current: dict[bytes, Any] = dict(backend.get_bodies(self.ds.kind, changed))
+        for moved in self._found_elsewhere([i for i in changed if i not in current]).values():
+            current.update(moved)
         stale: list[tuple[int, IndexRow]] = []
         for entity_id in changed:
             hit = current.get(entity_id)
@@ -493,11 +496,39 @@ class Cleaner:
         if changed and depth < 3:
             current = backend.get_bodies(self.ds.kind, changed)
             again = {i: (s.body, s.updated) for i, s in current.items()}
-            gone = [i for i in changed if i not in current]
             w, r = self._reconcile(indexes, backend, again, depth + 1) if again else (0, 0)
             written, removed = written + w, removed + r
-            removed += self._remove_rows_of(indexes, gone)
+            missing = [i for i in changed if i not in current]
+            moved = self._found_elsewhere(missing)
+            for shard, found in moved.items():
+                if shard < 0:  # found, its bucket unknown here: its shard's pass will do
+                    continue
+                bodies_there = {i: (s.body, s.updated) for i, s in found.items()}
+                w, r = self._reconcile(indexes, self.ds._backends[shard], bodies_there, depth + 1)
+                written, removed = written + w, removed + r
+            elsewhere = {i for found in moved.values() for i in found}
+            removed += self._remove_rows_of(indexes, [i for i in missing if i not in elsewhere])
         return written, removed
+
+    def _found_elsewhere(self, ids: Sequence[bytes]) -> dict[int, dict[bytes, Stored]]:
+        """Entities missing from the shard a batch was read from: deleted, or their
+        bucket moved to another shard since.  ``{shard: {id: Stored}}`` of those
+        found where the placement (read afresh) puts them now; the rest are gone.
+        (A mover keeps the source copy for ``grace`` seconds after the switch,
+        so that readers with a placement that old still find it; a batch can be
+        older than that.)"""
+        if not ids:
+            return {}
+        ds = self.ds
+        ds.refresh_placement(force=True)
+        found = ds._fetch_many(ids)
+        where = ds._placer.locate(list(found))
+        out: dict[int, dict[bytes, Stored]] = {}
+        for entity_id, stored in found.items():
+            bucket = where.get(entity_id)
+            shard = ds._shard_of_bucket[bucket] if bucket is not None else -1
+            out.setdefault(shard, {})[entity_id] = stored
+        return out
 
     def _remove_rows_of(self, indexes: Sequence[Index], ids: Sequence[bytes]) -> int:
         """Delete every row of entities that no longer exist."""
