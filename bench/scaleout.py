@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python -m bench.scaleout [--backend mysql|sqlite|all] [--rows N] [--rounds N]
-                             [--rate R] [--before S] [--duty D]
+                             [--rate R] [--before S] [--duty D] [--max-rate R]
                              [--format rich|plain|markdown]
 
 For the issue "Scale-out while serving".
@@ -298,13 +298,15 @@ def one_round(
         t0 = time.monotonic()
         if i == 0:
             ds.add_shard(side.new_url)
-            stats = ds.rebalance(grace=0, duty=args.duty)
+            stats = ds.rebalance(grace=0, duty=args.duty, max_rate=args.max_rate)
             label = "add_shard + rebalance(grace=0)"
         elif i % 2:
-            stats = _move_home(ds, moved, home, args.duty)
+            stats = _move_home(ds, moved, home, args.duty, args.max_rate)
             label = "move_buckets back (grace=0)"
         else:
-            stats = ds.move_buckets(moved, len(side.shard_dbs) - 1, grace=0, duty=args.duty)
+            stats = ds.move_buckets(
+                moved, len(side.shard_dbs) - 1, grace=0, duty=args.duty, max_rate=args.max_rate
+            )
             label = "move_buckets out (grace=0)"
         t1 = time.monotonic()
         time.sleep(0.5)
@@ -352,11 +354,13 @@ def _by(buckets: Sequence[int], key: Callable[[int], int]) -> dict[int, list[int
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _move_home(ds: Any, moved: list[int], home: dict[int, int], duty: float | None) -> Any:
+def _move_home(
+    ds: Any, moved: list[int], home: dict[int, int], duty: float | None, max_rate: float | None
+) -> Any:
     """Move each bucket back to its home shard; the MoveStats added up."""
     total = None
     for target, buckets in _by(moved, lambda b: home[b]).items():
-        stats = ds.move_buckets(buckets, target, grace=0, duty=duty)
+        stats = ds.move_buckets(buckets, target, grace=0, duty=duty, max_rate=max_rate)
         if total is None:
             total = stats
         else:
@@ -542,6 +546,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the mover's pause after each copy step, in units of the step (default: "
         "bagstore's default; 0: flat out)",
     )
+    p.add_argument(
+        "--max-rate",
+        type=float,
+        default=None,
+        help="the mover's cap on rows copied or deleted per second (default: none)",
+    )
     p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
     args = p.parse_args(argv)
     if args.rows < 1000 or args.rounds < 1:
@@ -573,7 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     from bagstore.scaleout import DEFAULT_BATCH, DEFAULT_DUTY
 
     duty = DEFAULT_DUTY if args.duty is None else args.duty
-    pacing = f"{duty:g}, batch={DEFAULT_BATCH}"
+    pacing = f"{duty:g}, batch={DEFAULT_BATCH}" + (
+        f", max_rate={args.max_rate:,.0f}" if args.max_rate else ""
+    )
     print_table(
         f"Bucket moves (Mover duty={pacing}) with a writer at {args.rate:,.0f} puts/s, beside "
         f"plain SQL copies of the same rows (medians over {args.rounds} rounds; writer max = "

@@ -124,6 +124,49 @@ def test_stale_process_is_fenced(growth: Growth) -> None:
     assert admin.get(entity_id) == {"id": entity_id, "v": 2}
 
 
+def test_a_refused_write_rereads_only_its_buckets(
+    growth: Growth, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused by a shard that let a bucket go, a process reads where that
+    bucket is now (not the whole placement: that costs every write milliseconds
+    during a move), and still reads everything at its next timed refresh."""
+    admin = growth.open()
+    admin.add_shard(growth.extra)
+    stale = growth.open(refresh_interval=3600)  # knows all three shards
+    entity_id = stale.put({"v": 1})
+    bucket = bucket_of(entity_id, 64)
+    version = stale.placement.version
+    admin.move_buckets([bucket], to=2, grace=0)
+    whole: list[int] = []
+    original = stale.catalog.read_placement
+    monkeypatch.setattr(stale.catalog, "read_placement", lambda *a: whole.append(1) or original(*a))
+    stale.put({"id": entity_id, "v": 2})  # refused by the source, retried on shard 2
+    assert whole == []
+    assert stale.placement.shard_of_bucket[bucket] == 2
+    assert stale.placement.version == version  # so the next timed refresh reads all
+    assert admin.get(entity_id) == {"id": entity_id, "v": 2}
+    assert_placed(admin)
+    stale._placement_at = 0.0  # the refresh interval has passed
+    assert stale.refresh_placement().version == admin.placement.version
+    assert whole == [1]
+
+
+def test_an_incomplete_bucket_map_is_refused(topo: Topology) -> None:
+    """The catalog's bucket map is read in one statement on MariaDB: a row
+    missing anywhere (first, last, in between) is still told, not misread."""
+    ds = topo.open()
+    catalog = ds.catalog
+    n = ds.placement.buckets
+    assert catalog.read_placement().shard_of_bucket == ds.placement.shard_of_bucket
+    for bucket in (0, n // 2, n - 1):
+        shard = ds.placement.shard_of_bucket[bucket]
+        catalog.backend.delete_where("bagstore_buckets", {"bucket": bucket})
+        with pytest.raises(bagstore.ConfigurationError, match="placement is incomplete"):
+            catalog.read_placement()
+        catalog.backend.insert_ignore("bagstore_buckets", ("bucket", "shard_no"), [(bucket, shard)])
+        assert catalog.read_placement().shard_of_bucket == ds.placement.shard_of_bucket
+
+
 def test_stale_process_is_fenced_when_it_deletes_index_rows(growth: Growth) -> None:
     tag_idx = bagstore.Index(table="index_tag", properties=["tag"], shard_on="tag")
     stale = growth.open(indexes=[tag_idx], refresh_interval=3600)

@@ -136,12 +136,13 @@ class Catalog:
         meta = meta if meta is not None else self.read_meta()
         stored_buckets = int(meta["buckets"])
         stored = [str(n) for _, n in sorted(b.select_all("bagstore_shards", ("shard_no", "name")))]
-        rows = sorted(b.select_all("bagstore_buckets", ("bucket", "shard_no")))
-        if len(rows) != stored_buckets or any(int(r[0]) != i for i, r in enumerate(rows)):
+        shards = b.int_column("bagstore_buckets", "bucket", "shard_no")
+        if shards is None or len(shards) != stored_buckets:
+            found = "some" if shards is None else f"{len(shards)}"
             raise ConfigurationError(
-                f"the catalog's placement is incomplete ({len(rows)} of {stored_buckets} buckets)"
+                f"the catalog's placement is incomplete ({found} of {stored_buckets} buckets)"
             )
-        shard_of = tuple(int(r[1]) for r in rows)
+        shard_of = tuple(shards)
         if any(not 0 <= s < len(stored) for s in shard_of):
             raise ConfigurationError("the catalog's placement names a shard that does not exist")
         return Placement(
@@ -151,6 +152,15 @@ class Catalog:
             meta["store_id"],
             int(meta.get("placement_version", "0")),
         )
+
+    def shards_of(self, buckets: Sequence[int]) -> dict[int, int]:
+        """``{bucket: shard}`` of a few buckets as the catalog holds them now."""
+        out: dict[int, int] = {}
+        for b in buckets:
+            rows = self.backend.select_all("bagstore_buckets", ("shard_no",), {"bucket": b})
+            if rows:
+                out[b] = int(rows[0][0])
+        return out
 
     def placement_version(self) -> int:
         rows = self.backend.select_all("bagstore_meta", ("value",), {"name": "placement_version"})

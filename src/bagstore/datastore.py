@@ -260,6 +260,32 @@ class Datastore:
             self._shard_of_bucket = placement.shard_of_bucket
             return placement
 
+    def _refresh_refused(self, buckets: Iterable[int]) -> None:
+        """A shard refused writes to ``buckets``: this process's placement is out
+        of date for them.  Read where the catalog puts those buckets now and
+        take that (one short read, where re-reading the whole placement costs
+        milliseconds, a cost every write would pay during a bucket move); the
+        whole placement is read instead if that tells nothing new (or names a
+        shard this process has not opened).  The version is left as it was, so
+        the next timed refresh still reads the whole placement."""
+        wanted = sorted(set(buckets))
+        if not wanted or len(wanted) > 16:
+            self.refresh_placement(force=True)
+            return
+        now = self.catalog.shards_of(wanted)
+        with self._placement_lock:
+            placement = self.placement
+            known = len(self._backends)
+            changed = {b: s for b, s in now.items() if placement.shard_of_bucket[b] != s}
+            if changed and all(s < known for s in changed.values()):
+                shard_of = list(placement.shard_of_bucket)
+                for b, s in changed.items():
+                    shard_of[b] = s
+                self.placement = replace(placement, shard_of_bucket=tuple(shard_of))
+                self._shard_of_bucket = self.placement.shard_of_bucket
+                return
+        self.refresh_placement(force=True)
+
     def _route(
         self,
         items: Sequence[T],
@@ -296,7 +322,9 @@ class Datastore:
                 if now >= deadline:
                     raise last
                 time.sleep(0.005)
-            self.refresh_placement(force=True)
+                self.refresh_placement(force=True)
+            else:
+                self._refresh_refused(bucket(item) for item in pending)
         raise StalePlacement("the placement kept changing; gave up")
 
     def _fenced(self, work: Callable[[], T]) -> T:
@@ -307,8 +335,8 @@ class Datastore:
         for _ in range(1000):
             try:
                 return work()
-            except StalePlacement:
-                self.refresh_placement(force=True)
+            except StalePlacement as exc:
+                self._refresh_refused(exc.buckets)
             except KeyMigrating:
                 now = time.monotonic()
                 deadline = deadline or now + self._freeze_wait

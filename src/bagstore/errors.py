@@ -117,4 +117,10 @@ class KeyMigrating(Retryable):
 
 
 class StalePlacement(Retryable):
-    """This process routed by an out-of-date placement; it refreshes and retries."""
+    """This process routed by an out-of-date placement; it refreshes and retries.
+
+    ``buckets``: the buckets the shard refused (empty when not known)."""
+
+    def __init__(self, message: str = "", *, buckets: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.buckets = buckets

@@ -460,6 +460,14 @@ class Backend(BucketOps, IndexOps):
         sql = f"SELECT {cols} FROM {d.q(table)}" + (f" WHERE {cond}" if cond else "")
         return self.fetchall(sql, list((where or {}).values()))
 
+    def int_column(self, table: str, key: str, value: str) -> list[int] | None:
+        """``value`` of every row in ``key`` order, if the integer ``key``s are
+        exactly 0, 1, 2, ...; None if they are not (a row missing)."""
+        rows = sorted(self.select_all(table, (key, value)))
+        if any(int(r[0]) != i for i, r in enumerate(rows)):
+            return None
+        return [int(r[1]) for r in rows]
+
     def upsert(self, table: str, key: dict[str, Any], values: dict[str, Any]) -> None:
         """Insert the row, or update ``values`` where ``key`` exists: one statement."""
         sql = self.dialect.upsert_sql(table, list(key), list(values))

@@ -33,7 +33,8 @@ def ownership_error(
     for b in buckets:
         state = states.get(b)
         if state is None or state == INCOMING:
-            return StalePlacement(f"shard {shard} does not own bucket {b}")
+            refused = tuple(x for x in buckets if states.get(x) in (None, INCOMING))
+            return StalePlacement(f"shard {shard} does not own bucket {b}", buckets=refused)
     for b in buckets:
         if states[b] == FROZEN:
             return KeyMigrating(f"bucket {b} is being moved; try again shortly")
