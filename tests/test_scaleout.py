@@ -167,6 +167,53 @@ def test_an_incomplete_bucket_map_is_refused(topo: Topology) -> None:
         assert catalog.read_placement().shard_of_bucket == ds.placement.shard_of_bucket
 
 
+def test_an_index_and_a_kind_registered_during_a_move_are_moved_too(
+    growth: Growth, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy made while writes go on uses the kinds and indexes as they were
+    when the move began; the frozen sync reads them again, so rows of an index
+    or a kind registered in between move with the bucket."""
+    admin = growth.open()
+    admin.add_shard(growth.extra)
+    entity_id = admin.put({"v": 1, "tag": "t1"})
+    bucket = bucket_of(entity_id, 64)
+    tag_idx = bagstore.Index(table="index_tag_late", properties=["tag"])
+    # a tag whose index row lives in the moving bucket too
+    tag = next(
+        t
+        for t in (f"t{n}" for n in range(100_000))
+        if next(iter(tag_idx.rows_for({"tag": t}, entity_id, 64))).bucket == bucket
+    )
+    photos: list[bytes] = []
+    original = Mover._sync
+    calls: list[bool] = []
+
+    def sync(self: Mover, *args: object, **kwargs: object) -> None:
+        if not calls:  # before the first, paced copy: register, and write
+            late = growth.open()
+            late.add_index(tag_idx)
+            late.put({"id": entity_id, "v": 2, "tag": tag})
+            kind = growth.open(kind="photos")
+            while not photos:  # a photo in the moving bucket, of a new kind
+                pid = bagstore.new_id()
+                if bucket_of(pid, 64) == bucket:
+                    photos.append(kind.put({"id": pid, "p": 1}))
+        calls.append(True)
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Mover, "_sync", sync)
+    admin.move_buckets([bucket], to=2, grace=0)
+    fresh = growth.open(indexes=[tag_idx])
+    assert fresh.placement.shard_of_bucket[bucket] == 2
+    assert fresh.get(entity_id) == {"id": entity_id, "v": 2, "tag": tag}
+    assert growth.open(kind="photos").get(photos[0]) == {"id": photos[0], "p": 1}
+    assert_placed(fresh)
+    for no, backend in enumerate(fresh._backends):  # the row lives in the moved bucket
+        rows = backend.fetchall("SELECT entity_id FROM index_tag_late")
+        assert [bytes(r[0]) for r in rows] == ([entity_id] if no == 2 else [])
+    assert [bytes(r[0]) for r in fresh._backends[2].fetchall("SELECT id FROM photos")] == photos
+
+
 def test_stale_process_is_fenced_when_it_deletes_index_rows(growth: Growth) -> None:
     tag_idx = bagstore.Index(table="index_tag", properties=["tag"], shard_on="tag")
     stale = growth.open(indexes=[tag_idx], refresh_interval=3600)

@@ -269,22 +269,28 @@ class Datastore:
         shard this process has not opened).  The version is left as it was, so
         the next timed refresh still reads the whole placement."""
         wanted = sorted(set(buckets))
-        if not wanted or len(wanted) > 16:
+        if (
+            not wanted
+            or len(wanted) > 16
+            or not self._learn_buckets(self.catalog.shards_of(wanted))
+        ):
             self.refresh_placement(force=True)
-            return
-        now = self.catalog.shards_of(wanted)
+
+    def _learn_buckets(self, now: Mapping[int, int]) -> bool:
+        """Take ``{bucket: shard}`` read from the catalog into this process's
+        placement (its version unchanged); False, changing nothing, if no bucket
+        moved or one names a shard this process has not opened."""
         with self._placement_lock:
             placement = self.placement
-            known = len(self._backends)
             changed = {b: s for b, s in now.items() if placement.shard_of_bucket[b] != s}
-            if changed and all(s < known for s in changed.values()):
-                shard_of = list(placement.shard_of_bucket)
-                for b, s in changed.items():
-                    shard_of[b] = s
-                self.placement = replace(placement, shard_of_bucket=tuple(shard_of))
-                self._shard_of_bucket = self.placement.shard_of_bucket
-                return
-        self.refresh_placement(force=True)
+            if not changed or any(s >= len(self._backends) for s in changed.values()):
+                return False
+            shard_of = list(placement.shard_of_bucket)
+            for b, s in changed.items():
+                shard_of[b] = s
+            self.placement = replace(placement, shard_of_bucket=tuple(shard_of))
+            self._shard_of_bucket = self.placement.shard_of_bucket
+            return True
 
     def _route(
         self,

@@ -80,6 +80,17 @@ class MoveStats:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """The kinds and indexes whose rows a move copies and deletes."""
+
+    kinds: tuple[str, ...]
+    indexes: tuple[Index, ...]
+
+    def signature(self) -> tuple[str, ...]:
+        return (*self.kinds, "|", *(i.to_json() for i in self.indexes))
+
+
 class Mover:
     """Moves buckets between the shards of one store (all kinds, all indexes).
 
@@ -112,6 +123,7 @@ class Mover:
         self.max_rate = max_rate
         self.index_catalog = IndexCatalog(ds._catalog_backend)
         self._throttle = Throttle(max_rate=max_rate, duty=duty, adaptive=False)
+        self._prepared: set[tuple[str, tuple[str, ...]]] = set()
 
     def _paced(self, backend: Backend, rows: int, started: float, paced: bool) -> None:
         """After a step of ``rows`` rows written on ``backend``, begun at
@@ -153,15 +165,27 @@ class Mover:
         ds.refresh_placement(force=True)
         return no
 
-    def _prepare(self, backend: Backend) -> None:
+    def _prepare(self, backend: Backend, layout: _Layout | None = None) -> None:
         """Every kind's entities table and every index table on a shard."""
-        for kind in self.ds.catalog.kinds():
+        layout = layout or self._layout()
+        for kind in layout.kinds:
             backend.ensure_kind(kind)
-        for index in self._indexes():
+        for index in layout.indexes:
             backend.ensure_index_table(index.table, index.properties, index.unique)
 
     def _indexes(self) -> list[Index]:
         return [Index.from_json(d) for _, _, d, _ in self.index_catalog.all_entries()]
+
+    def _layout(self) -> _Layout:
+        """The kinds and indexes whose rows a bucket holds, as the catalog says now."""
+        return _Layout(tuple(self.ds.catalog.kinds()), tuple(self._indexes()))
+
+    def _ready(self, dst: Backend, layout: _Layout) -> None:
+        """``dst`` has the tables of ``layout`` (created once per move and layout)."""
+        key = (dst.name, layout.signature())
+        if key not in self._prepared:
+            self._prepare(dst, layout)
+            self._prepared.add(key)
 
     def _target(self, to: int | str) -> int:
         names = self.ds.refresh_placement(force=True).shard_names
@@ -190,50 +214,74 @@ class Mover:
         stats = MoveStats()
         started = time.monotonic()
         switched: list[tuple[int, int]] = []
-        for i, b in enumerate(buckets):
-            source = self.ds.refresh_placement(force=True).shard_of_bucket[b]
-            if source != target:
-                self._move_one(b, source, target, stats)
-                switched.append((b, source))
-            if self.progress is not None:
-                self.progress(i + 1, len(buckets))
+        # Kinds and indexes as they are now: enough for the copy while writes go
+        # on (the frozen sync, which must miss nothing, reads them again).
+        layout = self._layout()
+        try:
+            for i, b in enumerate(buckets):
+                # Only this bucket's shard is read from the catalog (the whole
+                # placement, per bucket, was most of a small bucket's move time).
+                source = self.ds.catalog.shards_of([b])[b]
+                if source != target:
+                    self._move_one(b, source, target, stats, layout)
+                    switched.append((b, source))
+                if self.progress is not None:
+                    self.progress(i + 1, len(buckets))
+        finally:
+            self.ds.refresh_placement(force=True)
         self._finish(switched, stats)
         stats.seconds = time.monotonic() - started
         return stats
 
-    def _move_one(self, b: int, source: int, target: int, stats: MoveStats) -> None:
+    def _move_one(
+        self, b: int, source: int, target: int, stats: MoveStats, layout: _Layout
+    ) -> None:
         ds = self.ds
         src, dst = ds._backends[source], ds._backends[target]
         ds.catalog.set_move(b, source, target, COPY)
-        self._prepare(dst)
+        self._ready(dst, layout)
         dst.set_bucket_state(b, INCOMING)
-        self._sync(b, src, dst, stats, paced=True)
+        self._sync(b, src, dst, stats, layout, paced=True)
         frozen_at = time.monotonic()
         src.set_bucket_state(b, FROZEN)
         ds.catalog.set_move(b, source, target, FROZEN_PHASE)
-        self._sync(b, src, dst, stats, paced=False)
+        now = self._layout()  # a kind or index registered meanwhile is copied too
+        self._ready(dst, now)
+        self._sync(b, src, dst, stats, now, paced=False)
         dst.set_bucket_state(b, OWNED)
         ds.catalog.set_bucket(b, target)
         ds.catalog.set_move(b, source, target, SWITCHED)
         src.release_bucket(b)
         stats.longest_freeze = max(stats.longest_freeze, time.monotonic() - frozen_at)
         stats.buckets += 1
-        ds.refresh_placement(force=True)
+        ds._learn_buckets({b: target})
 
     def _finish(self, switched: list[tuple[int, int]], stats: MoveStats) -> None:
         """After the grace period, delete the sources' copies and end the moves."""
         if not switched:
             return
         time.sleep(self.grace)
+        # Read after every switch: rows of a kind or index registered later
+        # were written to the buckets' new shards only.
+        layout = self._layout()
         for b, source in switched:
-            stats.deleted += self._clear(b, self.ds._backends[source])
+            stats.deleted += self._clear(b, self.ds._backends[source], layout)
             self.ds.catalog.end_move(b)
 
-    def _sync(self, b: int, src: Backend, dst: Backend, stats: MoveStats, *, paced: bool) -> None:
+    def _sync(
+        self,
+        b: int,
+        src: Backend,
+        dst: Backend,
+        stats: MoveStats,
+        layout: _Layout,
+        *,
+        paced: bool,
+    ) -> None:
         """Make the target's copy of bucket ``b`` equal to the source's, in steps
         of ``batch`` rows (``paced``: with the throttle's pauses between them)."""
         step = self.batch
-        for kind in self.ds.catalog.kinds():
+        for kind in layout.kinds:
             have = src.bucket_stamps(kind, b)
             got = dst.bucket_stamps(kind, b)
             need = [i for i, stamp in have.items() if got.get(i) != stamp]
@@ -246,7 +294,7 @@ class Mover:
             gone = [i for i in got if i not in have]
             for start in range(0, len(gone), step):
                 dst.delete_ids(kind, gone[start : start + step])
-        for index in self._indexes():
+        for index in layout.indexes:
             have_rows = src.bucket_index_rows(index.table, index.properties, index.unique, b)
             got_rows = dst.bucket_index_rows(index.table, index.properties, index.unique, b)
             missing = [r for r in have_rows if r not in got_rows]
@@ -271,19 +319,20 @@ class Mover:
             if not any(k == kind and i == entity_id for k, i, _ in have_ids):
                 dst.forget_ids(kind, [entity_id])
 
-    def _clear(self, b: int, backend: Backend) -> int:
+    def _clear(self, b: int, backend: Backend, layout: _Layout | None = None) -> int:
         """Delete every entity and index row of bucket ``b`` on ``backend``, in
         paced steps of ``batch`` rows."""
+        layout = layout or self._layout()
         deleted = 0
         step = self.batch
-        for kind in self.ds.catalog.kinds():
+        for kind in layout.kinds:
             ids = list(backend.bucket_stamps(kind, b))
             for start in range(0, len(ids), step):
                 t0 = time.monotonic()
                 n = backend.delete_ids(kind, ids[start : start + step])
                 deleted += n
                 self._paced(backend, n, t0, True)
-        for index in self._indexes():
+        for index in layout.indexes:
             rows = list(backend.bucket_index_rows(index.table, index.properties, index.unique, b))
             for start in range(0, len(rows), step):
                 t0 = time.monotonic()
@@ -309,12 +358,17 @@ class Mover:
         """Finish every unfinished move."""
         stats = MoveStats()
         switched = []
-        for b, (source, target, phase) in sorted(self.unfinished().items()):
-            if phase != SWITCHED:
-                self._move_one(b, source, target, stats)
-            else:
-                self.ds._backends[source].release_bucket(b)
-            switched.append((b, source))
+        self.ds.refresh_placement(force=True)
+        layout = self._layout()
+        try:
+            for b, (source, target, phase) in sorted(self.unfinished().items()):
+                if phase != SWITCHED:
+                    self._move_one(b, source, target, stats, layout)
+                else:
+                    self.ds._backends[source].release_bucket(b)
+                switched.append((b, source))
+        finally:
+            self.ds.refresh_placement(force=True)
         self._finish(switched, stats)
         return stats
 
