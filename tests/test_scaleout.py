@@ -214,6 +214,31 @@ def test_an_index_and_a_kind_registered_during_a_move_are_moved_too(
     assert [bytes(r[0]) for r in fresh._backends[2].fetchall("SELECT id FROM photos")] == photos
 
 
+def test_a_failed_move_reports_its_own_error(
+    growth: Growth, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A move that fails re-reads the placement on its way out; if that read
+    fails too (the catalog gone), the move's own error is the one raised."""
+    ds = growth.open()
+    ds.add_shard(growth.extra)
+    bucket = ds.placement.buckets_of_shard(0)[0]
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the copy failed")
+
+    mover = Mover(ds, grace=0)
+    target = mover._target(2)  # reads the placement: before the catalog goes
+
+    def unreachable(*args: object, **kwargs: object) -> None:
+        raise bagstore.ShardUnavailable("catalog gone")
+
+    monkeypatch.setattr(Mover, "_target", lambda self, to: target)
+    monkeypatch.setattr(Mover, "_move_one", broken)
+    monkeypatch.setattr(ds, "refresh_placement", unreachable)
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        mover.move([bucket], 2)
+
+
 def test_stale_process_is_fenced_when_it_deletes_index_rows(growth: Growth) -> None:
     tag_idx = bagstore.Index(table="index_tag", properties=["tag"], shard_on="tag")
     stale = growth.open(indexes=[tag_idx], refresh_interval=3600)

@@ -39,8 +39,9 @@ wait for it.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -217,21 +218,38 @@ class Mover:
         # Kinds and indexes as they are now: enough for the copy while writes go
         # on (the frozen sync, which must miss nothing, reads them again).
         layout = self._layout()
-        try:
+        with self._then_reread():
             for i, b in enumerate(buckets):
                 # Only this bucket's shard is read from the catalog (the whole
                 # placement, per bucket, was most of a small bucket's move time).
-                source = self.ds.catalog.shards_of([b])[b]
+                source = self._source_of(b)
                 if source != target:
                     self._move_one(b, source, target, stats, layout)
                     switched.append((b, source))
                 if self.progress is not None:
                     self.progress(i + 1, len(buckets))
-        finally:
-            self.ds.refresh_placement(force=True)
         self._finish(switched, stats)
         stats.seconds = time.monotonic() - started
         return stats
+
+    @contextlib.contextmanager
+    def _then_reread(self) -> Iterator[None]:
+        """Read the whole placement after the block (the mover's own was only
+        patched at each switch); if the block failed, a failure to read must
+        not hide its error."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.ds.refresh_placement(force=True)
+            raise
+        self.ds.refresh_placement(force=True)
+
+    def _source_of(self, bucket: int) -> int:
+        shard = self.ds.catalog.shards_of([bucket]).get(bucket)
+        if shard is None:
+            raise ConfigurationError(f"the catalog's placement has no row for bucket {bucket}")
+        return shard
 
     def _move_one(
         self, b: int, source: int, target: int, stats: MoveStats, layout: _Layout
@@ -360,15 +378,13 @@ class Mover:
         switched = []
         self.ds.refresh_placement(force=True)
         layout = self._layout()
-        try:
+        with self._then_reread():
             for b, (source, target, phase) in sorted(self.unfinished().items()):
                 if phase != SWITCHED:
                     self._move_one(b, source, target, stats, layout)
                 else:
                     self.ds._backends[source].release_bucket(b)
                 switched.append((b, source))
-        finally:
-            self.ds.refresh_placement(force=True)
         self._finish(switched, stats)
         return stats
 
