@@ -705,6 +705,22 @@ def ddl_run(side: Side, args: argparse.Namespace) -> Run:
         if side.backend == "mysql"
         else "SQLite ADD COLUMN VIRTUAL + CREATE INDEX"
     )
+    return _timed_run(side, "ddl", "DDL", method, rows, t0, t1, writes, args)
+
+
+def _timed_run(
+    side: Side,
+    kind: str,
+    label: str,
+    method: str,
+    rows: int,
+    t0: float,
+    t1: float,
+    writes: Writes,
+    args: argparse.Namespace,
+) -> Run:
+    """The Run of a build (DDL or the raw-insert ceiling) that ran from ``t0`` to
+    ``t1`` beside the writer, logged."""
     run = Run(
         side.backend,
         method,
@@ -713,11 +729,11 @@ def ddl_run(side: Side, args: argparse.Namespace) -> Run:
         Lat.of(writes.window(t0 - args.before, t0), args.before),
         Lat.of(writes.window(t0, t1), t1 - t0),
         errors=len(writes.errors),
-        kind="ddl",
+        kind=kind,
     )
     log(
-        f"  [{side.backend}] DDL: {rows:,} rows in {run.seconds:.2f}s = {run.rate:,.0f}/s; writer "
-        f"p99 {run.before.p99 * 1e3:.1f} -> {run.during.p99 * 1e3:.1f} ms, max "
+        f"  [{side.backend}] {label}: {rows:,} rows in {run.seconds:.2f}s = {run.rate:,.0f}/s; "
+        f"writer p99 {run.before.p99 * 1e3:.1f} -> {run.during.p99 * 1e3:.1f} ms, max "
         f"{run.during.max * 1e3:.0f} ms"
         + (f"; writer errors {len(writes.errors)}: {writes.errors[0]}" if writes.errors else "")
     )
@@ -807,22 +823,8 @@ def ceiling_run(side: Side, args: argparse.Namespace) -> Run:
         cur.close()
         conn.close()
         side.raw_exec(f"DROP TABLE {CEILING_TABLE}")
-    run = Run(
-        side.backend,
-        f"raw INSERT of the same index rows, prepared beforehand ({RAW_BATCH:,} a statement)",
-        len(rows),
-        t1 - t0,
-        Lat.of(writes.window(t0 - args.before, t0), args.before),
-        Lat.of(writes.window(t0, t1), t1 - t0),
-        errors=len(writes.errors),
-        kind="ceiling",
-    )
-    log(
-        f"  [{side.backend}] ceiling: {run.rows:,} rows in {run.seconds:.2f}s = {run.rate:,.0f}/s; "
-        f"writer p99 {run.before.p99 * 1e3:.1f} -> {run.during.p99 * 1e3:.1f} ms, max "
-        f"{run.during.max * 1e3:.0f} ms"
-    )
-    return run
+    method = f"raw INSERT of the same index rows, prepared beforehand ({RAW_BATCH:,} a statement)"
+    return _timed_run(side, "ceiling", "ceiling", method, len(rows), t0, t1, writes, args)
 
 
 # -- printing ------------------------------------------------------------------------------

@@ -59,19 +59,30 @@ def _progress() -> Progress:
     )
 
 
+def _pacing(duty: float, duty_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--duty`` (with this default and help) and ``--max-rate``: the options that
+    pace bulk work (``clean``, ``shard move``, ``shard rebalance``)."""
+
+    def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = click.option(
+            "--duty", type=click.FloatRange(0, 10), default=duty, show_default=True, help=duty_help
+        )(fn)
+        return click.option(
+            "--max-rate", type=float, default=None, help="At most this many rows per second."
+        )(fn)
+
+    return add
+
+
 # -- clean ---------------------------------------------------------------------------
 @cli.command(short_help="Backfill an index, or repair indexes (once or continuously).")
 @click.option("--index", "table", metavar="NAME", help="Backfill this (building) index.")
 @click.option("--repair", "repair", is_flag=True, help="One repair pass over every index.")
 @click.option("--follow", is_flag=True, help="Repair continuously until Ctrl-C.")
 @click.option("--batch", default=1000, show_default=True, help="Entities per statement.")
-@click.option("--max-rate", type=float, default=None, help="At most this many rows per second.")
-@click.option(
-    "--duty",
-    type=click.FloatRange(0, 10),
-    default=0.5,
-    show_default=True,
-    help="Pause this fraction of each batch's time after it; batches of one server "
+@_pacing(
+    0.5,
+    "Pause this fraction of each batch's time after it; batches of one server "
     "take turns (0: every shard at once, flat out).",
 )
 @click.option("--interval", default=1.0, show_default=True, help="Seconds between --follow passes.")
@@ -181,26 +192,14 @@ def _move_report(stats: bagstore.MoveStats) -> None:
     )
 
 
-def _pacing(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The options that pace a move (shared by `shard move` and `shard rebalance`)."""
-    fn = click.option(
-        "--max-rate", type=float, default=None, help="At most this many rows per second."
-    )(fn)
-    fn = click.option(
-        "--duty",
-        type=click.FloatRange(0, 10),
-        default=0.0,
-        show_default=True,
-        help="After each copy step, pause this many times as long as it took "
-        "(0: flat out); the final sync of a frozen bucket is never paced.",
-    )(fn)
-    return fn
-
-
 @shard_group.command("move")
 @click.option("--to", "target", required=True, help="Target shard: its number or name.")
 @click.option("--grace", type=float, default=None, help="Seconds to keep the source copy.")
-@_pacing
+@_pacing(
+    0.0,
+    "After each copy step, pause this many times as long as it took "
+    "(0: flat out); the final sync of a frozen bucket is never paced.",
+)
 @click.argument("buckets", nargs=-1, type=int, required=True)
 @click.pass_context
 def shard_move(
@@ -219,7 +218,11 @@ def shard_move(
 
 @shard_group.command("rebalance")
 @click.option("--grace", type=float, default=None, help="Seconds to keep source copies.")
-@_pacing
+@_pacing(
+    0.0,
+    "After each copy step, pause this many times as long as it took "
+    "(0: flat out); the final sync of a frozen bucket is never paced.",
+)
 @click.pass_context
 def shard_rebalance(
     ctx: click.Context, grace: float | None, duty: float, max_rate: float | None

@@ -158,14 +158,9 @@ class Index:
                     key = keys.encode_value(value)
                 except keys.UnindexableValue:
                     return set()
-                if len(key) > keys.KEY_LIMIT:
-                    if self.unique:
-                        raise InvalidEntity(
-                            f"a value of unique index {self.table!r} is {len(key)} bytes "
-                            f"encoded, over the {keys.KEY_LIMIT}-byte limit of unique values"
-                        )
-                    return {IndexRow((key[: keys.KEY_LIMIT],), entity_id, bucket_of(key, buckets))}
-                return {IndexRow((key,), entity_id, bucket_of(key, buckets))}
+                if self.unique and len(key) > keys.KEY_LIMIT:
+                    raise self._too_long(len(key))
+                return {IndexRow((keys.truncate(key)[0],), entity_id, bucket_of(key, buckets))}
         per_property: list[list[bytes]] = []
         for p in self.properties:
             encoded = keys.index_keys(entity.get(p))
@@ -184,13 +179,16 @@ class Index:
         rows: set[IndexRow] = set()
         for combo in itertools.product(*per_property):
             if self.unique and any(len(k) > keys.KEY_LIMIT for k in combo):
-                raise InvalidEntity(
-                    f"a value of unique index {self.table!r} is {max(map(len, combo))} bytes "
-                    f"encoded, over the {keys.KEY_LIMIT}-byte limit of unique values"
-                )
+                raise self._too_long(max(map(len, combo)))
             stored = tuple(keys.truncate(k)[0] for k in combo)
             rows.add(IndexRow(stored, entity_id, bucket_of(combo[shard_pos], buckets)))
         return rows
+
+    def _too_long(self, size: int) -> InvalidEntity:
+        return InvalidEntity(
+            f"a value of unique index {self.table!r} is {size} bytes "
+            f"encoded, over the {keys.KEY_LIMIT}-byte limit of unique values"
+        )
 
     def rows_or_none(
         self, entity: Mapping[str, Any] | None, entity_id: bytes, buckets: int

@@ -30,11 +30,9 @@ def ownership_error(
     shard: str, buckets: Sequence[int], states: dict[int, int]
 ) -> StalePlacement | KeyMigrating | None:
     """The error a write to ``buckets`` must raise given the shard's states."""
-    for b in buckets:
-        state = states.get(b)
-        if state is None or state == INCOMING:
-            refused = tuple(x for x in buckets if states.get(x) in (None, INCOMING))
-            return StalePlacement(f"shard {shard} does not own bucket {b}", buckets=refused)
+    refused = tuple(b for b in buckets if states.get(b) in (None, INCOMING))
+    if refused:
+        return StalePlacement(f"shard {shard} does not own bucket {refused[0]}", buckets=refused)
     for b in buckets:
         if states[b] == FROZEN:
             return KeyMigrating(f"bucket {b} is being moved; try again shortly")

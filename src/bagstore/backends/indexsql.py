@@ -220,12 +220,12 @@ class IndexOps:
                 sql = self.sql("fenced_insert_sql", table, cols, len(chunk), ignore=True)
             else:
                 sql = self.sql("insert_ignore_sql", table, cols, len(chunk))
-            if fenced and self.dialect.fenced_by_key(len(chunk)):
-                params = [
-                    v for r in chunk for v in (*r.keys, r.entity_id, r.bucket, *extra, r.bucket)
-                ]
-            else:
-                params = [v for r in chunk for v in (*r.keys, r.entity_id, r.bucket, *extra)]
+            again = fenced and self.dialect.fenced_by_key(len(chunk))  # the bucket once more
+            params = [
+                v
+                for r in chunk
+                for v in (*r.keys, r.entity_id, r.bucket, *extra, *((r.bucket,) if again else ()))
+            ]
             n = self.execute(sql, params)
             if fenced and n < len(chunk):  # duplicates, or buckets not owned here
                 self.check_owned([r.bucket for r in chunk])

@@ -94,12 +94,10 @@ def decode_value(entity_id: bytes, value: bytes) -> Stored | Marker | None:
     """An entity entry or a marker; None for anything else (garbage)."""
     tag = value[:3]
     if tag == _E:
-        if len(value) < _ENTITY.size:
+        body = entity_body(entity_id, value)
+        if body is None:
             return None
-        _, version, updated, crc = _ENTITY.unpack_from(value)
-        body = value[_ENTITY.size :]
-        if zlib.crc32(body, zlib.crc32(value[3:19], zlib.crc32(entity_id))) != crc:
-            return None
+        _, version, updated, _ = _ENTITY.unpack_from(value)
         return Stored(body, version, updated)
     if tag in (_M, _G) and len(value) == _MARKER.size:
         _, version, _nonce, crc = _MARKER.unpack(value)
@@ -114,9 +112,10 @@ def entity_body(entity_id: bytes, value: bytes) -> bytes | None:
     :func:`decode_value` checks, without building its result."""
     if value[:3] != _E or len(value) < _ENTITY.size:
         return None
+    crc = _ENTITY.unpack_from(value)[3]
     body = value[_ENTITY.size :]
-    crc = zlib.crc32(body, zlib.crc32(value[3:19], zlib.crc32(entity_id)))
-    return body if crc == int.from_bytes(value[19:23], "big") else None
+    head = value[3 : _ENTITY.size - 4]  # version and updated
+    return body if zlib.crc32(body, zlib.crc32(head, zlib.crc32(entity_id))) == crc else None
 
 
 def encode_list(key: str, ids: Sequence[bytes], cursor: str | None) -> bytes:
