@@ -31,11 +31,14 @@ take-back of rows that changed under it is exercised).  bagstore's writer calls
 recorded; a few seconds before the backfill give the "before" figures, the
 backfill itself "during".  The longest stall is the longest single write.
 
-Ceiling (MariaDB): the index rows bagstore would write, computed from the
-baseline's bodies and made into 1,000-row INSERT statements before the clock
-starts, sent from one connection into a table with bagstore's index-table DDL
-while the same writer runs: what any client-side backfill could reach on this
-server, with no per-row work left in Python.
+Ceiling: the index rows bagstore would write, computed from the stored bodies
+and made into 1,000-row INSERT statements before the clock starts, then sent
+into a table with bagstore's index-table DDL while a writer runs: what any
+client-side backfill could reach here, with no per-row work left in Python.
+MariaDB: one connection, the baseline's writer.  SQLite: one thread per shard
+file, each row in the file that owns its bucket, one transaction per
+statement, bagstore's writer putting into the same files (SQLite has one
+write lock per file, so this is where the rate and the writer's wait meet).
 
 After each backfill the index must hold exactly one row per entity (checked with
 ``COUNT(*)``: a missing or stale row would show).
@@ -778,8 +781,12 @@ def ceiling_run(side: Side, args: argparse.Namespace) -> Run:
     bodies) turned into 1,000-row INSERT statements before the clock starts,
     then sent from one connection into a table of bagstore's index layout
     (primary key plus the ``bagstore_bucket`` and ``entity_id`` keys), with the
-    same writer running.  MariaDB only: one server bounds every client there,
-    while SQLite's Cleaner writes its 4 files side by side."""
+    same writer running.  On SQLite the rows go into a table of that layout in
+    each of bagstore's own 4 shard files (each row to the file that owns its
+    bucket), the files written side by side as the Cleaner writes them, one
+    transaction of 1,000 rows at a time, beside bagstore's own writer."""
+    if side.backend == "sqlite":
+        return _sqlite_ceiling_run(side, args)
     from bagstore.backends.mysql import MySQLDialect
 
     d = MySQLDialect()
@@ -825,6 +832,85 @@ def ceiling_run(side: Side, args: argparse.Namespace) -> Run:
         side.raw_exec(f"DROP TABLE {CEILING_TABLE}")
     method = f"raw INSERT of the same index rows, prepared beforehand ({RAW_BATCH:,} a statement)"
     return _timed_run(side, "ceiling", "ceiling", method, len(rows), t0, t1, writes, args)
+
+
+def _sqlite_ceiling_run(side: Side, args: argparse.Namespace) -> Run:
+    """:func:`ceiling_run` on SQLite: the index rows of every entity, computed
+    and grouped by the shard file that owns their bucket before the clock
+    starts, then written by one thread per file, ``RAW_BATCH`` rows a
+    transaction (``BEGIN IMMEDIATE``, one multi-row ``INSERT OR IGNORE``,
+    ``COMMIT``), while bagstore's writer puts into the same files."""
+    from bagstore.backends.sqlite import SQLiteDialect
+
+    d = SQLiteDialect()
+    ds = side.ds
+    placement = ds.placement
+    buckets = int(placement.buckets)
+    cols = ("link", "entity_id", "bagstore_bucket")
+    paths = [b.path for b in ds._backends]
+    per_file: list[list[tuple[bytes, bytes, int]]] = [[] for _ in paths]
+    for backend in ds._backends:
+        after = 0
+        while True:
+            got = backend.scan_entities(KIND, after, 10_000)
+            if not got:
+                break
+            for _, entity_id, body, _ in got:
+                for r in LINK_INDEX.rows_for(codec.decode(body), entity_id, buckets):
+                    per_file[placement.shard_of_bucket[r.bucket]].append(
+                        (r.keys[0], r.entity_id, r.bucket)
+                    )
+            after = got[-1][0]
+    conns = []
+    for path in paths:
+        conn = sqlite3.connect(path, timeout=120, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        for sql in d.create_index_table_sql(CEILING_TABLE, ["link"], False):
+            conn.execute(sql)
+        conns.append(conn)
+    jobs = []
+    for conn, rows in zip(conns, per_file, strict=True):
+        batches = []
+        for start in range(0, len(rows), RAW_BATCH):
+            chunk = rows[start : start + RAW_BATCH]
+            sql = d.insert_ignore_sql(CEILING_TABLE, cols, len(chunk))
+            batches.append((sql, [v for r in chunk for v in r]))
+        jobs.append((conn, batches))
+
+    def fill(conn: sqlite3.Connection, batches: list[tuple[str, list[Any]]]) -> None:
+        for sql, params in batches:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(sql, params)
+            conn.execute("COMMIT")
+
+    spec = WriterSpec("bag", side.backend, side.bag_target, args.rate, side.update_ids)
+    try:
+        with writer(spec) as w:
+            time.sleep(args.before)
+            threads = [threading.Thread(target=fill, args=job) for job in jobs]
+            t0 = time.monotonic()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            t1 = time.monotonic()
+            time.sleep(0.5)
+            writes = w.stop()
+        written = sum(
+            conn.execute(f"SELECT COUNT(*) FROM {CEILING_TABLE}").fetchone()[0] for conn in conns
+        )
+        total = sum(len(rows) for rows in per_file)
+        assert written == total, f"ceiling wrote {written:,} of {total:,} rows"
+    finally:
+        for conn in conns:
+            conn.execute(f"DROP TABLE IF EXISTS {CEILING_TABLE}")
+            conn.close()
+    method = (
+        f"raw INSERT of the same index rows, prepared beforehand "
+        f"({RAW_BATCH:,} a transaction, {len(paths)} files side by side)"
+    )
+    return _timed_run(side, "ceiling", "ceiling", method, total, t0, t1, writes, args)
 
 
 # -- printing ------------------------------------------------------------------------------
@@ -952,8 +1038,7 @@ def run_backend(backend: str, args: argparse.Namespace, clock: PhaseClock) -> li
         ddl_runs = [ddl_run(side, args) for _ in range(max(1, args.ddl_rounds))]
         for batch, duty, max_rate in args.settings:
             runs.append(bag_run(side, batch, duty, max_rate, args, clock))
-        if backend == "mysql":
-            runs.append(ceiling_run(side, args))
+        runs.append(ceiling_run(side, args))
         runs.append(median_run(ddl_runs))
     return runs
 
