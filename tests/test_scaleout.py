@@ -430,6 +430,46 @@ def test_new_process_opens_added_shards_from_the_catalog(growth: Growth) -> None
     assert [e["n"] for e in again.get_many(entity_ids)] == list(range(100))  # type: ignore[index]
 
 
+def test_a_one_shard_store_reads_where_its_buckets_go(tmp_path: Path) -> None:
+    """With every bucket on one shard, reads go there without hashing ids;
+    once buckets move, what a process learns of it (a refused write, a
+    refresh) routes its reads and index queries again."""
+    tag_idx = bagstore.Index("index_tag", ["tag"])
+    first, second = f"sqlite:///{tmp_path}/a.db", f"sqlite:///{tmp_path}/b.db"
+    ds = bagstore.Datastore([first], buckets=8, indexes=[tag_idx], refresh_interval=3600)
+    ids = ds.put_many([{"tag": "x" if n % 2 else "y", "n": n} for n in range(40)])
+    expected = {i: {"id": i, "tag": "x" if n % 2 else "y", "n": n} for n, i in enumerate(ids)}
+
+    def check() -> None:
+        assert ds.get_many(ids) == [expected[i] for i in ids]
+        for tag in ("x", "y"):
+            want = sorted(e["n"] for e in expected.values() if e["tag"] == tag)
+            assert sorted(e["n"] for e in tag_idx.get_all(ds, tag=tag)) == want
+        both = tag_idx.get_all(ds, tag__in=["x", "y"], limit=15)
+        both += tag_idx.get_all(ds, tag__in=["x", "y"], limit=30, cursor=both.cursor)
+        assert sorted(e["n"] for e in both) == sorted(e["n"] for e in expected.values())
+
+    assert ds._sole_shard == 0
+    check()
+    admin = bagstore.Datastore([first], buckets=8)
+    admin.add_shard(second)
+    admin.move_buckets(list(range(4)), to=1, grace=0)
+    moved = next(i for i in ids if bucket_of(i, 8) < 4)
+    expected[moved]["n"] = -1
+    ds.put(dict(expected[moved]))  # refused by shard 0: where the bucket is now is learnt
+    assert ds._sole_shard is None
+    assert ds.get(moved) == expected[moved]
+    ds.refresh_placement(force=True)
+    assert ds._sole_shard is None
+    check()
+    admin.move_buckets(list(range(4, 8)), to=1, grace=0)
+    ds.refresh_placement(force=True)
+    assert ds._sole_shard == 1
+    check()
+    ds.close()
+    admin.close()
+
+
 photo_idx = bagstore.Index(
     table="photos_by_user", properties=["user_id", "published"], shard_on="user_id"
 )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import bagstore
-from bagstore.sharding.hashing import bucket_of
+from bagstore.sharding.hashing import bucket_of, buckets_of
 from tests import servers
 from tests.conftest import Topology
 
@@ -109,6 +109,12 @@ def test_entities_spread_over_shards_by_bucket(topo: Topology) -> None:
     for entity_id in ids[:50]:
         backend = ds._backends[shard_of[bucket_of(entity_id, 1024)]]
         assert backend.get_bodies("entities", [entity_id])
+
+
+def test_buckets_of_is_bucket_of() -> None:
+    keys = [b"", bytes(16), *(bytes(range(n)) for n in range(1, 40)), b"\xff" * 300]
+    for buckets in (1, 7, 64, 1024):
+        assert buckets_of(keys, buckets) == {k: bucket_of(k, buckets) for k in keys}
 
 
 def test_reopen_sees_same_data_and_placement(topo: Topology) -> None:

@@ -181,7 +181,7 @@ class Datastore:
             self.close()
             raise
         self._buckets = self.placement.buckets
-        self._shard_of_bucket = self.placement.shard_of_bucket
+        self._take_placement(self.placement)
         self._refresh_interval = refresh_interval
         self._placement_at = time.monotonic()
         self._placer = Placer(self, shard_key, shard_map)
@@ -256,8 +256,7 @@ class Datastore:
                 backend.ensure_kind(self.kind)
                 self._backends.append(backend)
             self._parallel = self._fan_out()
-            self.placement = placement
-            self._shard_of_bucket = placement.shard_of_bucket
+            self._take_placement(placement)
             return placement
 
     def _refresh_refused(self, buckets: Iterable[int]) -> None:
@@ -288,9 +287,19 @@ class Datastore:
             shard_of = list(placement.shard_of_bucket)
             for b, s in changed.items():
                 shard_of[b] = s
-            self.placement = replace(placement, shard_of_bucket=tuple(shard_of))
-            self._shard_of_bucket = self.placement.shard_of_bucket
+            self._take_placement(replace(placement, shard_of_bucket=tuple(shard_of)))
             return True
+
+    def _take_placement(self, placement: Placement) -> None:
+        """Route by ``placement`` from now on.  ``_sole_shard`` is the shard that
+        holds every bucket, when one does (None when they are spread): reads
+        then go there without hashing each id."""
+        shard_of = placement.shard_of_bucket
+        self.placement = placement
+        self._shard_of_bucket = shard_of
+        self._sole_shard: int | None = (
+            shard_of[0] if shard_of.count(shard_of[0]) == len(shard_of) else None
+        )
 
     def _route(
         self,
@@ -671,12 +680,16 @@ class Datastore:
 
     def _read_rows(self, ids: Iterable[bytes], *, stamps: bool) -> list[tuple[Any, ...]]:
         wanted = list(dict.fromkeys(ids))
+        if not self._placer.keyed:  # the id names the bucket
+            sole = self._sole_shard
+            if sole is not None:  # and every bucket is on one shard
+                return self._backends[sole].read_bodies(self.kind, wanted, stamps=stamps)
+            return self._rows_at(self._placer.locate(wanted), stamps)
         rows = self._rows_at(self._placer.locate(wanted), stamps)
-        if self._placer.keyed:  # a stale or missing lookup row: look everywhere
-            found = {r[0] for r in rows}
-            lost = [i for i in wanted if i not in found]
-            if lost:
-                rows += self._rows_at(self._placer.search(lost), stamps)
+        found = {r[0] for r in rows}
+        lost = [i for i in wanted if i not in found]
+        if lost:  # a stale or missing lookup row: look everywhere
+            rows += self._rows_at(self._placer.search(lost), stamps)
         return rows
 
     def _rows_at(self, where: Mapping[bytes, int], stamps: bool) -> list[tuple[Any, ...]]:
@@ -814,6 +827,8 @@ class Datastore:
                 state=state,
             )
         plan = plan_query(index, parse_filters(filters), order)
+        if self._cache.cache is None and _current_request.get() is None:
+            return execute(self, plan, limit=limit, cursor=cursor)  # no cache level
         return self._cache.read_list(
             plan,
             limit,
@@ -879,14 +894,16 @@ class Datastore:
 
     # query.Source
     def scan_streams(self, plan: Plan, page: int) -> list[_Stream]:
-        scans = shard_scans(plan, self._backends, self._shard_of_bucket, self._buckets)
+        scans = shard_scans(
+            plan, self._backends, self._shard_of_bucket, self._buckets, self._sole_shard
+        )
         return [_Stream(self._backends[i], scan, page) for i, scan in scans.items()]
 
     def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
         if self._cache.cache is None and _current_request.get() is None:
             decode = codec.decode
-            return {i: decode(body) for i, body in self._fetch_bodies(ids).items()}
-        return self._cache.decoded(ids, self._fetch_many)
+            return {r[0]: decode(r[1]) for r in self._read_rows(ids, stamps=False)}
+        return self._cache.decoded(list(dict.fromkeys(ids)), self._fetch_many)
 
     # -- scale-out -----------------------------------------------------------------
     def add_shard(self, url: str) -> int:

@@ -201,10 +201,6 @@ def plan_query(index: Index, filters: list[Filter], order: str | None) -> Plan:
     by_prop: dict[str, list[Filter]] = {}
     for f in filters:
         by_prop.setdefault(f.prop, []).append(f)
-    shape = (
-        f"index {index.table!r} on {list(index.properties)} answers equality (or __in) on a "
-        "prefix of its properties, then a range on the next one"
-    )
     eq: list[Filter] = []
     bounds: keys.Bounds | None = None
     used: set[str] = set()
@@ -231,7 +227,11 @@ def plan_query(index: Index, filters: list[Filter], order: str | None) -> Plan:
         break
     extra = [p for p in by_prop if p not in used]
     if extra:
-        raise InvalidQuery(f"cannot filter on {extra} here: {shape}")
+        raise InvalidQuery(
+            f"cannot filter on {extra} here: index {index.table!r} on "
+            f"{list(index.properties)} answers equality (or __in) on a prefix of its "
+            "properties, then a range on the next one"
+        )
     order_props = index.properties[len(eq) :]
     desc = False
     if order is not None:
@@ -270,35 +270,41 @@ def decode_cursor(plan: Plan, cursor: str) -> tuple[bytes, ...]:
 
 # -- execution -------------------------------------------------------------------
 def shard_scans(
-    plan: Plan, backends: Sequence[Backend], shard_of_bucket: Sequence[int], buckets: int
+    plan: Plan,
+    backends: Sequence[Backend],
+    shard_of_bucket: Sequence[int],
+    buckets: int,
+    sole: int | None = None,
 ) -> dict[int, Scan]:
-    """One scan per shard that may hold matching rows."""
+    """One scan per shard that may hold matching rows (``sole``: the shard that
+    holds every bucket, when one does)."""
     index = plan.index
-    eq_keys = [[keys.truncate(k)[0] for k in f.keys] for f in plan.eq]
-    eq_keys = [list(dict.fromkeys(ks)) for ks in eq_keys]
+    limit = keys.KEY_LIMIT
+    # The stored keys (cut to KEY_LIMIT) each leading column may equal, distinct.
+    eq_keys = [list(dict.fromkeys([k[:limit] for k in f.keys])) for f in plan.eq]
     b = plan.bounds
-    template = dict(
-        table=index.table,
-        columns=index.properties,
-        lower=(b.lower, b.lower_inclusive) if b else None,
-        upper=(b.upper, b.upper_inclusive) if b else None,
-        desc=plan.desc,
-    )
+    lower = None if b is None else (b.lower, b.lower_inclusive)
+    upper = None if b is None else (b.upper, b.upper_inclusive)
+
+    def scan(eq: list[list[bytes]]) -> Scan:
+        return Scan(index.table, index.properties, eq, lower, upper, desc=plan.desc)
+
     if not plan.single_shard:
-        return {i: Scan(eq=[list(ks) for ks in eq_keys], **template) for i in range(len(backends))}  # type: ignore[arg-type]
+        return {i: scan([list(ks) for ks in eq_keys]) for i in range(len(backends))}
     pos = index.properties.index(index.shard_on)
+    if sole is not None:  # no key to hash (none at all: an empty __in, no scan)
+        return {sole: scan(eq_keys)} if eq_keys[pos] else {}
     per_shard: dict[int, list[bytes]] = {}
     for full in plan.eq[pos].keys:
-        shard = shard_of_bucket[bucket_of(full, buckets)]
-        per_shard.setdefault(shard, [])
-        stored = keys.truncate(full)[0]
-        if stored not in per_shard[shard]:
-            per_shard[shard].append(stored)
+        values = per_shard.setdefault(shard_of_bucket[bucket_of(full, buckets)], [])
+        stored = full[:limit]
+        if stored not in values:
+            values.append(stored)
     out = {}
     for shard, values in per_shard.items():
         eq = [list(ks) for ks in eq_keys]
         eq[pos] = values
-        out[shard] = Scan(eq=eq, **template)  # type: ignore[arg-type]
+        out[shard] = scan(eq)
     return out
 
 
@@ -333,6 +339,22 @@ class _Stream:
             self.rows = []
             if self.done:
                 return
+            self.fetch()
+
+    def take(self, n: int) -> list[tuple[bytes, ...]]:
+        """The next ``n`` rows (fewer at the end): ``islice(stream, n)``, without
+        a generator; reads the next page only when a row is wanted from it."""
+        out: list[tuple[bytes, ...]] = []
+        while True:
+            rows, need = self.rows, n - len(out)
+            if len(rows) >= need:
+                out += rows[:need]
+                self.rows = rows[need:]
+                return out
+            out += rows
+            self.rows = []
+            if self.done:
+                return out
             self.fetch()
 
 
@@ -374,7 +396,9 @@ class Source(Protocol):
 
     def fetch_streams(self, streams: list[_Stream]) -> None: ...
 
-    def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]: ...
+    def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
+        """``{id: entity}`` of the ids (which may repeat) that exist."""
+        ...
 
 
 def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None) -> QueryResult:
@@ -394,8 +418,22 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
         s.next = first
     source.fetch_streams(streams)
     # One shard's scan is in index order already; several are merged.
-    merged = iter(streams[0]) if len(streams) == 1 else heapq.merge(*streams, reverse=plan.desc)
+    if len(streams) == 1:
+        take = streams[0].take
+    else:
+        merged = heapq.merge(*streams, reverse=plan.desc)
+
+        def take(n: int) -> list[tuple[bytes, ...]]:
+            return list(itertools.islice(merged, n))
+
     filters = plan.filters
+    if len(filters) == 1:  # the usual query: no generator per row
+        matches = filters[0].matches
+    else:
+
+        def matches(entity: Mapping[str, Any]) -> bool:
+            return all(f.matches(entity) for f in filters)
+
     check_rows = bool(plan.order_props)
     results: list[dict[str, Any]] = []
     seen: set[bytes] = set()
@@ -404,24 +442,25 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
     batch = limit or 500
     exhausted = left_over = False
     while len(results) < want and not exhausted:
-        rows = list(itertools.islice(merged, batch))
+        rows = take(batch)
         exhausted = len(rows) < batch
-        entities = source.fetch_for_query(list(dict.fromkeys([r[-1] for r in rows])))
+        entities = source.fetch_for_query([r[-1] for r in rows])
         for i, row in enumerate(rows):
             entity_id = row[-1]
             entity = entities.get(entity_id)
-            if entity is None or entity_id in seen or (check_rows and stale(plan, row, entity)):
+            if (
+                entity is None
+                or entity_id in seen
+                or (check_rows and stale(plan, row, entity))
+                or not matches(entity)
+            ):
                 continue
-            for f in filters:
-                if not f.matches(entity):
-                    break
-            else:
-                results.append(entity)
-                seen.add(entity_id)
-                last = row
-                if len(results) >= want:
-                    left_over = i + 1 < len(rows)
-                    break
+            results.append(entity)
+            seen.add(entity_id)
+            last = row
+            if len(results) >= want:
+                left_over = i + 1 < len(rows)
+                break
         batch = max(batch, 2 * (want - len(results)))
     if limit is None and len(results) > MAX_UNLIMITED:
         raise InvalidQuery(

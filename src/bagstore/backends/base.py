@@ -728,13 +728,12 @@ def read_bodies_together(
     key, in one statement on the first shard's connection (one round trip
     instead of one per shard); each part reads only its own database."""
     lead = parts[0][0]
-    d = lead.dialect
     selects: list[str] = []
     params: list[Any] = []
     for backend, ids in parts:
-        selects.append(d.select_bodies_sql(kind, len(ids), schema=backend.schema, stamps=stamps))
+        selects.append(lead.sql("select_bodies_sql", kind, len(ids), False, backend.schema, stamps))
         params.extend(ids)
-    return lead.fetchall(d.union_all_sql(selects), params)
+    return lead.fetchall(lead.dialect.union_all_sql(selects), params)
 
 
 def _fetchone(conn: Any, sql: str, params: Sequence[Any]) -> Any:

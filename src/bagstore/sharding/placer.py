@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from bagstore import keys
 from bagstore.errors import ConfigurationError, InvalidEntity
 from bagstore.sharding.directory import Directory
-from bagstore.sharding.hashing import bucket_of
+from bagstore.sharding.hashing import bucket_of, buckets_of
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
@@ -94,8 +94,7 @@ class Placer:
         """``{id: bucket}`` of the ids whose entity's bucket is known (by hash,
         cache or lookup rows); ids not recorded anywhere are left out."""
         if self.shard_key is None:
-            n = self.ds.placement.buckets
-            return {i: bucket_of(i, n) for i in ids}
+            return buckets_of(ids, self.ds.placement.buckets)
         out: dict[bytes, int] = {}
         missing: list[bytes] = []
         with self._lock:
