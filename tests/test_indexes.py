@@ -36,6 +36,22 @@ def ids_of(entities: list[dict[str, object]]) -> list[bytes]:
     return [e["id"] for e in entities]  # type: ignore[misc]
 
 
+def all_pages(
+    index: bagstore.Index, ds: bagstore.Datastore, limit: int, **query: Any
+) -> list[dict[str, Any]]:
+    """Every entity of a query, read page by page with the cursor (each page
+    holding at most ``limit``)."""
+    out: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        page = index.get_all(ds, limit=limit, cursor=cursor, **query)
+        assert len(page) <= limit
+        out += page
+        cursor = page.cursor
+        if cursor is None:
+            return out
+
+
 def assert_consistent(ds: bagstore.Datastore) -> None:
     report = ds.check()
     assert (report["missing"], report["stale"]) == (0, 0), report
@@ -93,16 +109,8 @@ def test_compound_prefix_range_order_and_pages(ds: bagstore.Datastore) -> None:
     assert [e["published"] for e in got] == sorted(p for p in pubs if 100 <= p < 900)
     assert all(e["user_id"] == b"u1" for e in got)
     # pages: neither skip nor repeat, descending
-    seen: list[int] = []
-    cursor = None
-    while True:
-        page = user_pub.get_all(ds, user_id=b"u1", order="-published", limit=7, cursor=cursor)
-        seen += [e["published"] for e in page]
-        assert len(page) <= 7
-        cursor = page.cursor
-        if cursor is None:
-            break
-    assert seen == sorted(pubs, reverse=True)
+    seen = all_pages(user_pub, ds, 7, user_id=b"u1", order="-published")
+    assert [e["published"] for e in seen] == sorted(pubs, reverse=True)
 
 
 def test_cursor_of_another_query_is_refused(ds: bagstore.Datastore) -> None:
@@ -122,14 +130,7 @@ def test_in_returns_each_entity_once(ds: bagstore.Datastore) -> None:
     ds.put({"tags": ["z"]})
     got = tags_idx.get_all(ds, tags__in=["a", "b", "c"])
     assert sorted(ids_of(got)) == sorted([both, only_a])
-    paged: list[bytes] = []
-    cursor = None
-    while True:
-        page = tags_idx.get_all(ds, tags__in=["a", "b"], limit=1, cursor=cursor)
-        paged += ids_of(page)
-        cursor = page.cursor
-        if cursor is None:
-            break
+    paged = ids_of(all_pages(tags_idx, ds, 1, tags__in=["a", "b"]))
     assert sorted(paged) == sorted([both, only_a])
 
 
@@ -274,15 +275,7 @@ def test_scatter_equals_single_shard_answer(topo3: Topology, tmp_path: object) -
             a = pub_idx.get_all(four, **kwargs)  # type: ignore[arg-type]
             b = pub_idx.get_all(one, **kwargs)  # type: ignore[arg-type]
             assert ids_of(a) == ids_of(b), kwargs
-            pages: list[bytes] = []
-            cursor = None
-            while True:
-                page = pub_idx.get_all(four, limit=9, cursor=cursor, **kwargs)  # type: ignore[arg-type]
-                pages += ids_of(page)
-                cursor = page.cursor
-                if cursor is None:
-                    break
-            assert pages == ids_of(b), kwargs
+            assert ids_of(all_pages(pub_idx, four, 9, **kwargs)) == ids_of(b), kwargs
     finally:
         one.close()
 
@@ -315,15 +308,7 @@ def test_one_shard_answers_as_four(topo: Topology, tmp_path: object) -> None:
             want = ids_of(index.get_all(four, **kwargs))  # type: ignore[arg-type]
             assert ids_of(index.get_all(one, **kwargs)) == want, kwargs  # type: ignore[arg-type]
             assert len(want) == len(set(want)) > 300
-            pages: list[bytes] = []
-            cursor = None
-            while True:
-                page = index.get_all(one, limit=120, cursor=cursor, **kwargs)  # type: ignore[arg-type]
-                pages += ids_of(page)
-                cursor = page.cursor
-                if cursor is None:
-                    break
-            assert pages == want, kwargs
+            assert ids_of(all_pages(index, one, 120, **kwargs)) == want, kwargs
     finally:
         one.close()
 

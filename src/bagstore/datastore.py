@@ -774,6 +774,11 @@ class Datastore:
             found.update(part)
         return found
 
+    def _uncached(self) -> bool:
+        """Whether reads go straight to the shards: no shared cache level and
+        no request-scoped one open on this thread."""
+        return self._cache.cache is None and _current_request.get() is None
+
     def get_many(self, ids: Iterable[bytes]) -> list[dict[str, Any] | None]:
         """Entities in the order asked (None where missing); one query per shard,
         shards in parallel.  An id asked twice gives two separate dicts."""
@@ -781,7 +786,7 @@ class Datastore:
             raise InvalidQuery("get_many takes a list of ids, not one id")
         wanted = [_check_id(i, InvalidQuery) for i in ids]
         self.refresh_placement()
-        if self._cache.cache is None and _current_request.get() is None:
+        if self._uncached():
             bodies = self._fetch_bodies(wanted)
             decode = codec.decode
             return [decode(bodies[i]) if i in bodies else None for i in wanted]
@@ -827,7 +832,7 @@ class Datastore:
                 state=state,
             )
         plan = plan_query(index, parse_filters(filters), order)
-        if self._cache.cache is None and _current_request.get() is None:
+        if self._uncached():
             return execute(self, plan, limit=limit, cursor=cursor)  # no cache level
         return self._cache.read_list(
             plan,
@@ -900,7 +905,7 @@ class Datastore:
         return [_Stream(self._backends[i], scan, page) for i, scan in scans.items()]
 
     def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
-        if self._cache.cache is None and _current_request.get() is None:
+        if self._uncached():
             decode = codec.decode
             return {r[0]: decode(r[1]) for r in self._read_rows(ids, stamps=False)}
         return self._cache.decoded(list(dict.fromkeys(ids)), self._fetch_many)
