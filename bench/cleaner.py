@@ -148,13 +148,26 @@ def raw_upsert_sql(backend: str, rows: int) -> str:
     )
 
 
-def _open_writer(spec: WriterSpec) -> tuple[Callable[[dict[str, Any]], object], Callable[[], None]]:
+def _no_events() -> int:
+    return 0
+
+
+def _open_writer(
+    spec: WriterSpec,
+) -> tuple[Callable[[dict[str, Any]], object], Callable[[], None], Callable[[], int]]:
+    """``(put, close, events)``: ``events()`` counts the writes a shard refused
+    and the waits for frozen buckets so far (bagstore's ``stats()``; 0 for raw SQL)."""
     if spec.mode == "bag":
         if spec.backend == "sqlite":
             ds = bagstore.open(spec.target)
         else:
             ds = bagstore.Datastore(spec.target)
-        return ds.put, ds.close
+
+        def events() -> int:
+            counts = ds.stats()["placement"]
+            return counts["refused"] + counts["frozen_waits"]
+
+        return ds.put, ds.close, events
     if spec.backend == "mysql":
         conn = mysql_connect(spec.target)
         cur = conn.cursor()
@@ -163,7 +176,7 @@ def _open_writer(spec: WriterSpec) -> tuple[Callable[[dict[str, Any]], object], 
         def put_mysql(e: dict[str, Any]) -> None:
             cur.execute(sql, raw_row(e, spec.buckets, time.time_ns() // 1000))
 
-        return put_mysql, conn.close
+        return put_mysql, conn.close, _no_events
     lite = sqlite3.connect(spec.target, timeout=120, isolation_level=None)
     lite.execute("PRAGMA journal_mode=WAL")
     lite.execute("PRAGMA synchronous=NORMAL")
@@ -172,7 +185,7 @@ def _open_writer(spec: WriterSpec) -> tuple[Callable[[dict[str, Any]], object], 
     def put_sqlite(e: dict[str, Any]) -> None:
         lite.execute(sql, raw_row(e, spec.buckets, time.time_ns() // 1000))
 
-    return put_sqlite, lite.close
+    return put_sqlite, lite.close, _no_events
 
 
 def writer_main(spec: WriterSpec, pipe: Any, ready: Any, stop: Any) -> None:
@@ -180,11 +193,12 @@ def writer_main(spec: WriterSpec, pipe: Any, ready: Any, stop: Any) -> None:
     next ones, which then go back to back) until ``stop``; send back the start
     times and latencies of the writes (monotonic clock, shared by the processes of
     one machine), the errors, and how many new entities were written."""
-    put, close = _open_writer(spec)
+    put, close, events = _open_writer(spec)
     rng = random.Random(os.getpid())
     starts: list[float] = []
     latencies: list[float] = []
     errors: list[str] = []
+    troubled: list[int] = []  # writes refused or held by a frozen bucket
     new_ok = 0
     interval = 1.0 / spec.rate
     clock = time.monotonic
@@ -199,6 +213,7 @@ def writer_main(spec: WriterSpec, pipe: Any, ready: Any, stop: Any) -> None:
             now = clock()
             if now < due:
                 time.sleep(due - now)
+            seen = events()
             t0 = clock()
             try:
                 put(entity)
@@ -211,13 +226,15 @@ def writer_main(spec: WriterSpec, pipe: Any, ready: Any, stop: Any) -> None:
             t1 = clock()
             starts.append(t0)
             latencies.append(t1 - t0)
+            if events() != seen:
+                troubled.append(len(starts) - 1)
             due = max(due + interval, t1 - 1.0)  # catch up at most one second
             if len(starts) == 50:
                 ready.set()
     finally:
         ready.set()
         close()
-        pipe.send((starts, latencies, errors, new_ok))
+        pipe.send((starts, latencies, errors, new_ok, troubled))
         pipe.close()
 
 
@@ -227,10 +244,17 @@ class Writes:
     latencies: list[float]
     errors: list[str]
     new_ok: int = 0  # new entities written (not updates)
+    troubled: list[int] = field(default_factory=list)  # positions of refused / frozen writes
 
-    def window(self, t_from: float, t_to: float) -> list[float]:
-        pairs = zip(self.starts, self.latencies, strict=True)
-        return [lat for t, lat in pairs if t_from <= t < t_to]
+    def window(self, t_from: float, t_to: float, *, troubled: bool | None = None) -> list[float]:
+        """Latencies of the writes begun in ``[t_from, t_to)``; ``troubled``: only
+        those a shard refused or a frozen bucket held (True), only the others (False)."""
+        marked = set(self.troubled)
+        return [
+            lat
+            for i, (t, lat) in enumerate(zip(self.starts, self.latencies, strict=True))
+            if t_from <= t < t_to and (troubled is None or (i in marked) == troubled)
+        ]
 
 
 class Writer:
@@ -255,9 +279,9 @@ class Writer:
         if not self._recv.poll(120):
             self.kill()
             raise RuntimeError("the writer process did not report")
-        starts, latencies, errors, new_ok = self._recv.recv()
+        starts, latencies, errors, new_ok, troubled = self._recv.recv()
         self.proc.join(30)
-        return Writes(starts, latencies, errors, new_ok)
+        return Writes(starts, latencies, errors, new_ok, troubled)
 
     def kill(self) -> None:
         if self.proc.is_alive():

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import bagstore
+from bagstore.scaleout import Mover
 from bench.cleaner import Lat, WriterSpec, log, writer
 from bench.common import (
     friendfeed_entity,
@@ -293,19 +294,24 @@ def one_round(
     buckets' rows from where they are now.  Returns the round and the buckets moved."""
     ds = side.ds
     spec = WriterSpec("bag", side.backend, side.bag_target, args.rate, side.update_ids)
-    with writer(spec) as w:
+    with writer(spec) as w, _deleting() as deletes:
         time.sleep(args.before)
         t0 = time.monotonic()
         if i == 0:
             ds.add_shard(side.new_url)
-            stats = ds.rebalance(grace=0, duty=args.duty, max_rate=args.max_rate)
+            stats = ds.rebalance(grace=0, duty=args.duty, max_rate=args.max_rate, batch=args.batch)
             label = "add_shard + rebalance(grace=0)"
         elif i % 2:
-            stats = _move_home(ds, moved, home, args.duty, args.max_rate)
+            stats = _move_home(ds, moved, home, args)
             label = "move_buckets back (grace=0)"
         else:
             stats = ds.move_buckets(
-                moved, len(side.shard_dbs) - 1, grace=0, duty=args.duty, max_rate=args.max_rate
+                moved,
+                len(side.shard_dbs) - 1,
+                grace=0,
+                duty=args.duty,
+                max_rate=args.max_rate,
+                batch=args.batch,
             )
             label = "move_buckets out (grace=0)"
         t1 = time.monotonic()
@@ -339,12 +345,53 @@ def one_round(
         f"{len(writes.errors)} errors; consistent: {consistent}"
         + (f"; first error: {writes.errors[0]}" if writes.errors else "")
     )
+    hit = writes.window(t0, t1, troubled=True)
+    rest = Lat.of(writes.window(t0, t1, troubled=False), t1 - t0)
+    log(
+        f"    writes refused or held by a freeze during the move: {len(hit)} of "
+        f"{r.during.n}, slowest {max(hit, default=0.0) * 1e3:.0f} ms; the others' p99 "
+        f"{rest.p99 * 1e3:.1f} ms"
+    )
+    in_deletes = [lat for a, b in deletes for lat in writes.window(a, b)]
+    copying = Lat.of(
+        [
+            lat
+            for t, lat in zip(writes.starts, writes.latencies, strict=True)
+            if t0 <= t < t1 and not any(a <= t < b for a, b in deletes)
+        ],
+        max(1e-9, t1 - t0 - sum(b - a for a, b in deletes)),
+    )
+    deleting = Lat.of(in_deletes, max(1e-9, sum(b - a for a, b in deletes)))
+    log(
+        f"    writer p99 while copying {copying.p99 * 1e3:.1f} ms ({copying.n} writes), "
+        f"while deleting the sources {deleting.p99 * 1e3:.1f} ms ({deleting.n} writes)"
+    )
     for c in copies:
         log(
             f"    raw {c.method}: {c.entities:,} entities + {c.index_rows:,} index rows copied "
             f"in {c.copy_s:.2f}s, deleted in {c.delete_s:.2f}s"
         )
     return r, moved
+
+
+@contextlib.contextmanager
+def _deleting() -> Iterator[list[tuple[float, float]]]:
+    """The ``(start, end)`` times of the mover's deletes of source copies in the block."""
+    spans: list[tuple[float, float]] = []
+    original = Mover._finish
+
+    def timed(self: Mover, *a: Any, **kw: Any) -> None:
+        start = time.monotonic()
+        try:
+            original(self, *a, **kw)
+        finally:
+            spans.append((start, time.monotonic()))
+
+    Mover._finish = timed  # type: ignore[method-assign]
+    try:
+        yield spans
+    finally:
+        Mover._finish = original  # type: ignore[method-assign]
 
 
 def _by(buckets: Sequence[int], key: Callable[[int], int]) -> dict[int, list[int]]:
@@ -354,13 +401,13 @@ def _by(buckets: Sequence[int], key: Callable[[int], int]) -> dict[int, list[int
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _move_home(
-    ds: Any, moved: list[int], home: dict[int, int], duty: float | None, max_rate: float | None
-) -> Any:
+def _move_home(ds: Any, moved: list[int], home: dict[int, int], args: argparse.Namespace) -> Any:
     """Move each bucket back to its home shard; the MoveStats added up."""
     total = None
     for target, buckets in _by(moved, lambda b: home[b]).items():
-        stats = ds.move_buckets(buckets, target, grace=0, duty=duty, max_rate=max_rate)
+        stats = ds.move_buckets(
+            buckets, target, grace=0, duty=args.duty, max_rate=args.max_rate, batch=args.batch
+        )
         if total is None:
             total = stats
         else:
@@ -552,6 +599,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the mover's cap on rows copied or deleted per second (default: none)",
     )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="the mover's rows per copy or delete statement (default: bagstore's default)",
+    )
     p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
     args = p.parse_args(argv)
     if args.rows < 1000 or args.rounds < 1:
@@ -583,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     from bagstore.scaleout import DEFAULT_BATCH, DEFAULT_DUTY
 
     duty = DEFAULT_DUTY if args.duty is None else args.duty
-    pacing = f"{duty:g}, batch={DEFAULT_BATCH}" + (
+    batch = DEFAULT_BATCH if args.batch is None else args.batch
+    pacing = f"{duty:g}, batch={batch}" + (
         f", max_rate={args.max_rate:,.0f}" if args.max_rate else ""
     )
     print_table(

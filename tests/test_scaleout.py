@@ -140,8 +140,16 @@ def test_a_refused_write_rereads_only_its_buckets(
     whole: list[int] = []
     original = stale.catalog.read_placement
     monkeypatch.setattr(stale.catalog, "read_placement", lambda *a: whole.append(1) or original(*a))
+    counts = stale.stats()["placement"]
     stale.put({"id": entity_id, "v": 2})  # refused by the source, retried on shard 2
     assert whole == []
+    after = stale.stats()["placement"]
+    assert {k: after[k] - counts[k] for k in after} == {
+        "refused": 1,
+        "frozen_waits": 0,
+        "full_reads": 0,
+        "bucket_reads": 1,
+    }
     assert stale.placement.shard_of_bucket[bucket] == 2
     assert stale.placement.version == version  # so the next timed refresh reads all
     assert admin.get(entity_id) == {"id": entity_id, "v": 2}
@@ -149,6 +157,7 @@ def test_a_refused_write_rereads_only_its_buckets(
     stale._placement_at = float("-inf")  # the refresh interval has passed (whatever the clock)
     assert stale.refresh_placement().version == admin.placement.version
     assert whole == [1]
+    assert stale.stats()["placement"]["full_reads"] == after["full_reads"] + 1
 
 
 def test_an_incomplete_bucket_map_is_refused(topo: Topology) -> None:
@@ -272,6 +281,9 @@ def test_frozen_bucket_makes_writers_wait_then_raise(growth: Growth) -> None:
     with pytest.raises(bagstore.KeyMigrating):
         ds.put({"id": entity_id, "v": 2})
     assert time.monotonic() - started >= 0.3
+    waits = ds.stats()["placement"]["frozen_waits"]
+    assert 1 <= waits <= 0.3 / 0.005 + 1  # one per 5 ms wait
+    assert ds.stats()["placement"]["refused"] == 0  # frozen is not stale
     backend.set_bucket_state(bucket, 0)
     ds.put({"id": entity_id, "v": 2})
     assert ds.get(entity_id) == {"id": entity_id, "v": 2}
@@ -306,9 +318,10 @@ def test_mover_refuses_bad_pacing(tmp_path: Path, kwargs: dict[str, object], mes
         before = [s["buckets"] for s in ds.status()["shards"]]
         with pytest.raises(bagstore.ConfigurationError, match=message):
             Mover(ds, **kwargs)  # type: ignore[arg-type]
-        if "batch" not in kwargs:  # the others are Datastore.move_buckets options too
-            with pytest.raises(bagstore.ConfigurationError, match=message):
-                ds.move_buckets([1], to=0, **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(bagstore.ConfigurationError, match=message):
+            ds.move_buckets([1], to=0, **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(bagstore.ConfigurationError, match=message):
+            ds.rebalance(**kwargs)  # type: ignore[arg-type]
         assert [s["buckets"] for s in ds.status()["shards"]] == before
         assert [e["n"] for e in ds.get_many(ids)] == list(range(20))  # type: ignore[index]
     finally:

@@ -153,6 +153,14 @@ class Datastore:
         self._freeze_wait = freeze_wait
         self._placement_lock = threading.Lock()
         self._pool_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        #: how this process learned of bucket moves (see ``stats()``)
+        self._placement_counts = {
+            "refused": 0,
+            "frozen_waits": 0,
+            "full_reads": 0,
+            "bucket_reads": 0,
+        }
         try:
             self.catalog = Catalog(self._catalog_backend)
             self.placement: Placement = self.catalog.open(names, buckets)
@@ -251,6 +259,7 @@ class Datastore:
             if self.catalog.placement_version() == self.placement.version and not force:
                 return self.placement
             placement = self.catalog.read_placement()
+            self._count("full_reads")
             for name in placement.shard_names[len(self._backends) :]:
                 backend = self._open_shard(name)
                 backend.ensure_kind(self.kind)
@@ -268,12 +277,19 @@ class Datastore:
         shard this process has not opened).  The version is left as it was, so
         the next timed refresh still reads the whole placement."""
         wanted = sorted(set(buckets))
+        self._count("refused")
+        if wanted and len(wanted) <= 16:
+            self._count("bucket_reads")
         if (
             not wanted
             or len(wanted) > 16
             or not self._learn_buckets(self.catalog.shards_of(wanted))
         ):
             self.refresh_placement(force=True)
+
+    def _count(self, event: str) -> None:
+        with self._stats_lock:
+            self._placement_counts[event] += 1
 
     def _learn_buckets(self, now: Mapping[int, int]) -> bool:
         """Take ``{bucket: shard}`` read from the catalog into this process's
@@ -336,6 +352,7 @@ class Datastore:
                 deadline = deadline or now + self._freeze_wait
                 if now >= deadline:
                     raise last
+                self._count("frozen_waits")
                 time.sleep(0.005)
                 self.refresh_placement(force=True)
             else:
@@ -357,6 +374,7 @@ class Datastore:
                 deadline = deadline or now + self._freeze_wait
                 if now >= deadline:
                     raise
+                self._count("frozen_waits")
                 time.sleep(0.005)
                 self.refresh_placement(force=True)
         raise StalePlacement("the placement kept changing; gave up")
@@ -926,12 +944,14 @@ class Datastore:
         grace: float | None = None,
         duty: float | None = None,
         max_rate: float | None = None,
+        batch: int | None = None,
     ) -> Any:
         """Move buckets to a shard while serving (see :mod:`bagstore.scaleout`);
         ``grace``: seconds to keep the source copy for stale readers (default
         ``refresh_interval`` + 1); ``duty``: pause after each copy step, in units
-        of its duration (default 0: flat out); ``max_rate``: rows per second."""
-        return self._mover(grace, duty, max_rate).move(buckets, to)
+        of its duration (default 0.5; 0: flat out); ``max_rate``: rows per
+        second; ``batch``: rows per copy or delete statement (default 10)."""
+        return self._mover(grace, duty, max_rate, batch).move(buckets, to)
 
     def rebalance(
         self,
@@ -939,16 +959,23 @@ class Datastore:
         grace: float | None = None,
         duty: float | None = None,
         max_rate: float | None = None,
+        batch: int | None = None,
     ) -> Any:
         """Move buckets until every shard holds an even share (paced as
         :meth:`move_buckets`); returns MoveStats."""
-        return self._mover(grace, duty, max_rate).rebalance()
+        return self._mover(grace, duty, max_rate, batch).rebalance()
 
-    def _mover(self, grace: float | None, duty: float | None, max_rate: float | None) -> Any:
-        from bagstore.scaleout import DEFAULT_DUTY, Mover
+    def _mover(
+        self, grace: float | None, duty: float | None, max_rate: float | None, batch: int | None
+    ) -> Any:
+        from bagstore.scaleout import DEFAULT_BATCH, DEFAULT_DUTY, Mover
 
         return Mover(
-            self, grace=grace, duty=DEFAULT_DUTY if duty is None else duty, max_rate=max_rate
+            self,
+            grace=grace,
+            duty=DEFAULT_DUTY if duty is None else duty,
+            max_rate=max_rate,
+            batch=DEFAULT_BATCH if batch is None else batch,
         )
 
     def migrate_key(self, value: object, to_bucket: int, *, wait: float | None = None) -> int:
@@ -1005,9 +1032,24 @@ class Datastore:
         return _request()
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Cache counters per level: ``{"l1": {...}, "l2": {...}}``, each with
-        hits, misses, fills, invalidations and errors."""
-        return self._cache.stats.as_dict()
+        """Counters since open: the cache's per level (``"l1"``, ``"l2"``: hits,
+        misses, fills, invalidations, errors) and ``"placement"``, how this
+        process followed bucket moves: ``refused`` (writes a shard refused
+        because this process's placement was stale, then retried),
+        ``frozen_waits`` (5 ms waits for a bucket frozen by a move),
+        ``full_reads`` (whole placements read from the catalog) and
+        ``bucket_reads`` (refusals answered by reading only the refused
+        buckets' shards).
+
+            >>> import bagstore, tempfile
+            >>> ds = bagstore.open(tempfile.mkdtemp(), shards=2)
+            >>> ds.stats()["placement"]
+            {'refused': 0, 'frozen_waits': 0, 'full_reads': 0, 'bucket_reads': 0}
+            >>> ds.close()
+        """
+        with self._stats_lock:
+            placement = dict(self._placement_counts)
+        return {**self._cache.stats.as_dict(), "placement": placement}
 
     def close(self) -> None:
         """Close every connection; the datastore cannot be used afterwards."""
