@@ -42,6 +42,7 @@ from bagstore.cli import (
     parse_value,
 )
 from bagstore.config import load_config
+from bagstore.scaleout import DEFAULT_BATCH, DEFAULT_DUTY
 
 __all__ = ["bench", "clean", "key_group", "seq_group", "shard_group"]
 
@@ -196,9 +197,16 @@ def _move_report(stats: bagstore.MoveStats) -> None:
 @click.option("--to", "target", required=True, help="Target shard: its number or name.")
 @click.option("--grace", type=float, default=None, help="Seconds to keep the source copy.")
 @_pacing(
-    0.0,
-    "After each copy step, pause this many times as long as it took "
+    DEFAULT_DUTY,
+    "After each copy or delete step, pause this many times as long as it took "
     "(0: flat out); the final sync of a frozen bucket is never paced.",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 10_000),
+    default=DEFAULT_BATCH,
+    show_default=True,
+    help="Rows per copy or delete step.",
 )
 @click.argument("buckets", nargs=-1, type=int, required=True)
 @click.pass_context
@@ -208,27 +216,37 @@ def shard_move(
     grace: float | None,
     duty: float,
     max_rate: float | None,
+    batch: int,
     buckets: tuple[int, ...],
 ) -> None:
     """Move BUCKETS to a shard while serving (copy, freeze, sync, switch)."""
     to: int | str = int(target) if target.isdigit() else target
     ds = _store(ctx)
-    _move_report(ds.move_buckets(list(buckets), to, grace=grace, duty=duty, max_rate=max_rate))
+    _move_report(
+        ds.move_buckets(list(buckets), to, grace=grace, duty=duty, max_rate=max_rate, batch=batch)
+    )
 
 
 @shard_group.command("rebalance")
 @click.option("--grace", type=float, default=None, help="Seconds to keep source copies.")
 @_pacing(
-    0.0,
-    "After each copy step, pause this many times as long as it took "
+    DEFAULT_DUTY,
+    "After each copy or delete step, pause this many times as long as it took "
     "(0: flat out); the final sync of a frozen bucket is never paced.",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 10_000),
+    default=DEFAULT_BATCH,
+    show_default=True,
+    help="Rows per copy or delete step.",
 )
 @click.pass_context
 def shard_rebalance(
-    ctx: click.Context, grace: float | None, duty: float, max_rate: float | None
+    ctx: click.Context, grace: float | None, duty: float, max_rate: float | None, batch: int
 ) -> None:
     """Move buckets until every shard holds an even share."""
-    _move_report(_store(ctx).rebalance(grace=grace, duty=duty, max_rate=max_rate))
+    _move_report(_store(ctx).rebalance(grace=grace, duty=duty, max_rate=max_rate, batch=batch))
 
 
 @shard_group.command("resume")

@@ -61,11 +61,14 @@ __all__ = ["MoveStats", "Mover"]
 COPY, FROZEN_PHASE, SWITCHED = "copy", "frozen", "switched"
 
 #: Rows per copy or delete step, and the pause after a step in units of its
-#: duration.  Flat out by default: on the 2-core machine measured, pausing as
-#: long as each step (duty=1) made moves twice as slow without lowering a
-#: concurrent writer's p99 (bench/RESULTS.md); a busier server may differ.
-DEFAULT_BATCH = 100
-DEFAULT_DUTY = 0.0
+#: duration.  Gentle by default: on the 2-core machine measured
+#: (bench/RESULTS.md), 100-row steps flat out raised a concurrent writer's p99
+#: 1.4-2.4x on MariaDB and 3-4x on SQLite, where 10-row steps with a pause half
+#: as long as each kept it within 0.9-1.4x, at a half (MariaDB) to a fifth
+#: (SQLite) of the speed.  ``duty=0`` and a larger ``batch`` move faster on a
+#: store without live traffic.
+DEFAULT_BATCH = 10
+DEFAULT_DUTY = 0.5
 
 
 @dataclass
@@ -95,10 +98,10 @@ class _Layout:
 class Mover:
     """Moves buckets between the shards of one store (all kinds, all indexes).
 
-    ``batch``: rows copied or deleted per step; ``duty``: after each step of a
-    bucket's copy (and of the deletes that end a move), pause this many times
-    as long as the step took (0, the default: flat out); ``max_rate``: rows
-    per second at most (None: no cap).
+    ``batch``: rows copied or deleted per step (default 10); ``duty``: after
+    each step of a bucket's copy (and of the deletes that end a move), pause
+    this many times as long as the step took (default 0.5; 0: flat out);
+    ``max_rate``: rows per second at most (None: no cap).
     """
 
     def __init__(
