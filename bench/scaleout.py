@@ -352,16 +352,15 @@ def one_round(
         f"{r.during.n}, slowest {max(hit, default=0.0) * 1e3:.0f} ms; the others' p99 "
         f"{rest.p99 * 1e3:.1f} ms"
     )
-    in_deletes = [lat for a, b in deletes for lat in writes.window(a, b)]
-    copying = Lat.of(
-        [
-            lat
-            for t, lat in zip(writes.starts, writes.latencies, strict=True)
-            if t0 <= t < t1 and not any(a <= t < b for a, b in deletes)
-        ],
-        max(1e-9, t1 - t0 - sum(b - a for a, b in deletes)),
-    )
-    deleting = Lat.of(in_deletes, max(1e-9, sum(b - a for a, b in deletes)))
+
+    def deleting_at(t: float) -> bool:
+        return any(a <= t < b for a, b in deletes)
+
+    pairs = zip(writes.starts, writes.latencies, strict=True)
+    in_move = [(t, lat) for t, lat in pairs if t0 <= t < t1]
+    spent = sum(b - a for a, b in deletes)
+    copying = Lat.of([lat for t, lat in in_move if not deleting_at(t)], max(1e-9, t1 - t0 - spent))
+    deleting = Lat.of([lat for t, lat in in_move if deleting_at(t)], max(1e-9, spent))
     log(
         f"    writer p99 while copying {copying.p99 * 1e3:.1f} ms ({copying.n} writes), "
         f"while deleting the sources {deleting.p99 * 1e3:.1f} ms ({deleting.n} writes)"

@@ -65,7 +65,13 @@ def test_shard_add_rebalance_list(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--duty" in result.output
     result = run(store, "shard", "rebalance", "--max-rate", "0")
     assert result.exit_code == 2 and "max_rate must be a positive number" in result.output
-    result = ok(store, "shard", "move", "--to", "0", "--grace", "0", "--duty", "0.5", "15")
+    for command in (["move", "--to", "0", "15"], ["rebalance"]):
+        result = run(store, "shard", *command, "--batch", "0")
+        assert result.exit_code == 2 and "--batch" in result.output
+    assert [
+        s["buckets"] for s in json.loads(ok(store, "shard", "list", "--json").stdout)["shards"]
+    ] == [6, 5, 5]  # refused options moved nothing
+    result = ok(store, "shard", "move", "--to", "0", "--grace", "0", "--batch", "3", "15")
     assert "moved 1 buckets" in result.stdout
     assert run(store, "shard", "rollback", "3").exit_code == 2  # nothing unfinished
 

@@ -193,21 +193,26 @@ def _move_report(stats: bagstore.MoveStats) -> None:
     )
 
 
+def _move_pacing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--duty``, ``--max-rate`` and ``--batch`` of ``shard move`` and ``shard rebalance``."""
+    fn = click.option(
+        "--batch",
+        type=click.IntRange(1, 10_000),
+        default=DEFAULT_BATCH,
+        show_default=True,
+        help="Rows per copy or delete step.",
+    )(fn)
+    return _pacing(
+        DEFAULT_DUTY,
+        "After each copy or delete step, pause this many times as long as it took "
+        "(0: flat out); the final sync of a frozen bucket is never paced.",
+    )(fn)
+
+
 @shard_group.command("move")
 @click.option("--to", "target", required=True, help="Target shard: its number or name.")
 @click.option("--grace", type=float, default=None, help="Seconds to keep the source copy.")
-@_pacing(
-    DEFAULT_DUTY,
-    "After each copy or delete step, pause this many times as long as it took "
-    "(0: flat out); the final sync of a frozen bucket is never paced.",
-)
-@click.option(
-    "--batch",
-    type=click.IntRange(1, 10_000),
-    default=DEFAULT_BATCH,
-    show_default=True,
-    help="Rows per copy or delete step.",
-)
+@_move_pacing
 @click.argument("buckets", nargs=-1, type=int, required=True)
 @click.pass_context
 def shard_move(
@@ -229,18 +234,7 @@ def shard_move(
 
 @shard_group.command("rebalance")
 @click.option("--grace", type=float, default=None, help="Seconds to keep source copies.")
-@_pacing(
-    DEFAULT_DUTY,
-    "After each copy or delete step, pause this many times as long as it took "
-    "(0: flat out); the final sync of a frozen bucket is never paced.",
-)
-@click.option(
-    "--batch",
-    type=click.IntRange(1, 10_000),
-    default=DEFAULT_BATCH,
-    show_default=True,
-    help="Rows per copy or delete step.",
-)
+@_move_pacing
 @click.pass_context
 def shard_rebalance(
     ctx: click.Context, grace: float | None, duty: float, max_rate: float | None, batch: int

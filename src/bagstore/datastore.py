@@ -280,12 +280,9 @@ class Datastore:
         self._count("refused")
         if wanted and len(wanted) <= 16:
             self._count("bucket_reads")
-        if (
-            not wanted
-            or len(wanted) > 16
-            or not self._learn_buckets(self.catalog.shards_of(wanted))
-        ):
-            self.refresh_placement(force=True)
+            if self._learn_buckets(self.catalog.shards_of(wanted)):
+                return
+        self.refresh_placement(force=True)
 
     def _count(self, event: str) -> None:
         with self._stats_lock:

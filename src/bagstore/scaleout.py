@@ -65,8 +65,8 @@ COPY, FROZEN_PHASE, SWITCHED = "copy", "frozen", "switched"
 #: (bench/RESULTS.md), 100-row steps flat out raised a concurrent writer's p99
 #: 1.4-2.4x on MariaDB and 3-4x on SQLite, where 10-row steps with a pause half
 #: as long as each kept it at 0.8-2.0x (medians 1.5-1.7x), at a half (MariaDB)
-#: to a fifth (SQLite) of the speed.  ``duty=0`` and a larger ``batch`` move faster on a
-#: store without live traffic.
+#: to a fifth (SQLite) of the speed.  ``duty=0`` and a larger ``batch`` move
+#: faster on a store without live traffic.
 DEFAULT_BATCH = 10
 DEFAULT_DUTY = 0.5
 
