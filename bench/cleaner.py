@@ -117,6 +117,7 @@ class WriterSpec:
     rate: float
     update_ids: list[bytes] = field(default_factory=list)
     buckets: int = 1024
+    update_share: float = UPDATE_SHARE  # the share of puts that rewrite a loaded entity
 
 
 def json_doc(e: dict[str, Any]) -> str:
@@ -207,7 +208,7 @@ def writer_main(spec: WriterSpec, pipe: Any, ready: Any, stop: Any) -> None:
         while not stop.is_set():
             entity = friendfeed_entity()
             fresh = True
-            if spec.update_ids and rng.random() < UPDATE_SHARE:
+            if spec.update_ids and rng.random() < spec.update_share:
                 entity["id"] = rng.choice(spec.update_ids)  # a new link for an old entity
                 fresh = False
             now = clock()

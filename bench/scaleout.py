@@ -3,7 +3,8 @@
 Run from the repository root::
 
     python -m bench.scaleout [--backend mysql|sqlite|all] [--rows N] [--rounds N]
-                             [--rate R] [--before S] [--duty D] [--max-rate R]
+                             [--rate R] [--updates F] [--before S] [--duty D]
+                             [--batch N] [--max-rate R]
                              [--format rich|plain|markdown]
 
 For the issue "Scale-out while serving".
@@ -15,11 +16,13 @@ with ``--rows`` FriendFeed-style entities (default 200,000; 20 per user) by
 ``ds.rebalance(grace=0)``, which moves a third of the buckets to it.  Later
 rounds move the same buckets back to where they came from, then out again
 (``ds.move_buckets(..., grace=0)``), so that every round moves the same rows.
-The mover runs as a user's would: at its default ``duty`` (0: flat out), or
-at ``--duty D`` (a pause after each copy step, D times as long as the step).
+The mover runs as a user's would: at its defaults (10-row steps, each followed
+by a pause half as long as the step), or at ``--batch N`` / ``--duty D``.
 
 While each round runs, a separate process (no GIL shared with the mover) puts
-entities at ``--rate`` per second (default 500; 90% new, 10% updates), routed by
+entities at ``--rate`` per second (default 500; by default 90% rewrites of loaded
+entities and 10% new ones, ``--updates``, so that the store grows little while
+moves run at a few hundred entities a second), routed by
 its own, soon stale, placement (it learns of moves by being refused, or every
 ``refresh_interval``); each write's latency is recorded, a few seconds before the
 move give the "before" figures.
@@ -293,7 +296,14 @@ def one_round(
     even rounds: out to the new shard again.  Then the baseline copies the same
     buckets' rows from where they are now.  Returns the round and the buckets moved."""
     ds = side.ds
-    spec = WriterSpec("bag", side.backend, side.bag_target, args.rate, side.update_ids)
+    spec = WriterSpec(
+        "bag",
+        side.backend,
+        side.bag_target,
+        args.rate,
+        side.update_ids,
+        update_share=args.updates,
+    )
     with writer(spec) as w, _deleting() as deletes:
         time.sleep(args.before)
         t0 = time.monotonic()
@@ -586,6 +596,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=500.0, help="writer puts per second")
     p.add_argument("--before", type=float, default=4.0, help="seconds of writes before")
     p.add_argument(
+        "--updates",
+        type=float,
+        default=0.9,
+        help="the writer's share of puts that rewrite a loaded entity; the rest are new "
+        "entities (default 0.9, so that the store does not outgrow the moves)",
+    )
+    p.add_argument(
         "--duty",
         type=float,
         default=None,
@@ -608,6 +625,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rows < 1000 or args.rounds < 1:
         p.error("--rows must be >= 1000 and --rounds >= 1")
+    if not 0.0 <= args.updates <= 1.0:
+        p.error("--updates must be between 0 and 1")
     return args
 
 
@@ -640,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
         f", max_rate={args.max_rate:,.0f}" if args.max_rate else ""
     )
     print_table(
-        f"Bucket moves (Mover duty={pacing}) with a writer at {args.rate:,.0f} puts/s, beside "
+        f"Bucket moves (Mover duty={pacing}) with a writer at {args.rate:,.0f} puts/s "
+        f"({args.updates:.0%} rewrites), beside "
         f"plain SQL copies of the same rows (medians over {args.rounds} rounds; writer max = "
         "worst round)",
         [],
