@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python -m bench.scaleout [--backend mysql|sqlite|all] [--rows N] [--rounds N]
-                             [--rate R] [--updates F] [--before S] [--duty D]
+                             [--rate R] [--updates F] [--settle S] [--before S] [--duty D]
                              [--batch N] [--max-rate R]
                              [--format rich|plain|markdown]
 
@@ -24,8 +24,10 @@ entities at ``--rate`` per second (default 500; by default 90% rewrites of loade
 entities and 10% new ones, ``--updates``, so that the store grows little while
 moves run at a few hundred entities a second), routed by
 its own, soon stale, placement (it learns of moves by being refused, or every
-``refresh_interval``); each write's latency is recorded, a few seconds before the
-move give the "before" figures.
+``refresh_interval``); each write's latency is recorded.  The writer's first
+``--settle`` seconds are not counted (the previous bulk work settles; SQLite's
+WAL files are checkpointed first), the next ``--before`` seconds give the
+"before" figures.
 
 Baseline, the floor a move's copy has to be compared with: the same rows (the
 entities and index rows of the buckets that round moves) copied with plain SQL
@@ -289,6 +291,21 @@ def counts(side: Side) -> tuple[int, int]:
     return ds.count(), rows
 
 
+def settle(side: Side) -> None:
+    """Let the last bulk work (the load, the previous round's raw copies) finish
+    before the writer's "before" window: on SQLite, checkpoint every file's WAL
+    (else the writer's first commits pay for copying the bulk pages back)."""
+    if side.backend != "sqlite":
+        return  # MariaDB flushes in the background: the writer's --settle seconds
+    for path in [*side.shard_dbs, side.raw_name]:
+        if os.path.exists(path):
+            conn = sqlite3.connect(path, isolation_level=None)
+            try:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                conn.close()
+
+
 def one_round(
     side: Side, i: int, moved: list[int], home: dict[int, int], args: argparse.Namespace
 ) -> tuple[Round, list[int]]:
@@ -304,8 +321,9 @@ def one_round(
         side.update_ids,
         update_share=args.updates,
     )
+    settle(side)
     with writer(spec) as w, _deleting() as deletes:
-        time.sleep(args.before)
+        time.sleep(args.settle + args.before)  # the first seconds are not counted
         t0 = time.monotonic()
         if i == 0:
             ds.add_shard(side.new_url)
@@ -594,7 +612,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=200_000, help="entities (default 200,000)")
     p.add_argument("--rounds", type=int, default=3, help="move rounds (default 3)")
     p.add_argument("--rate", type=float, default=500.0, help="writer puts per second")
-    p.add_argument("--before", type=float, default=4.0, help="seconds of writes before")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="seconds the writer runs, not counted, before its 'before' window (default 5)",
+    )
+    p.add_argument("--before", type=float, default=5.0, help="seconds of writes before")
     p.add_argument(
         "--updates",
         type=float,
@@ -625,6 +649,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rows < 1000 or args.rounds < 1:
         p.error("--rows must be >= 1000 and --rounds >= 1")
+    if args.settle < 0 or args.before <= 0:
+        p.error("--settle must be >= 0 and --before > 0")
     if not 0.0 <= args.updates <= 1.0:
         p.error("--updates must be between 0 and 1")
     return args
