@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 import bagstore
-from bagstore import testing
+from bagstore import codec, keys, testing
+from bagstore.sharding.hashing import bucket_of
 from tests.conftest import Topology
 
 user_idx = bagstore.Index(table="index_user_id", properties=["user_id"], shard_on="user_id")
@@ -454,6 +455,85 @@ def test_shards_sharing_a_server_are_read_in_one_statement(
     page = pub_idx.get_all(ds, published__gte=10, order="-published", limit=25)
     assert [e["published"] for e in page] == list(range(59, 34, -1))
     assert [b.scans for b in ds._backends] == [1, 1, 1, 1]  # every shard scanned once
-    assert len(statements) == 2 * groups  # the scans, then the bodies
+    # The scans of several shards (merged, each read past its share of the page)
+    # do not read bodies with their rows: those follow, one statement a group.
+    assert len(statements) == 2 * groups
+    assert not any("JOIN" in sql for sql in statements)
     rest = pub_idx.get_all(ds, published__gte=10, order="-published", cursor=page.cursor)
     assert [e["published"] for e in rest] == list(range(34, 9, -1))
+
+
+def _count_statements(ds: bagstore.Datastore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    statements: list[str] = []
+    for b in ds._backends:
+        original = b.fetchall
+
+        def counting(sql: str, params: Any = (), _original: Any = original) -> Any:
+            statements.append(sql)
+            return _original(sql, params)
+
+        monkeypatch.setattr(b, "fetchall", counting)
+    return statements
+
+
+def test_a_lookup_reads_bodies_with_the_index_rows(
+    topo3: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A user's index rows live on one shard, the user's entities on all four.
+    ds = topo3.open(indexes=[user_idx], refresh_interval=3600)
+    user = b"u" * 16
+    ids = ds.put_many([{"user_id": user, "n": i} for i in range(40)])
+    shard_of = ds.placement.shard_of_bucket
+    homes = {shard_of[ds.bucket_of_id(i) or 0] for i in ids}
+    assert len(homes) == 4
+    statements = _count_statements(ds, monkeypatch)
+    got = user_idx.get_all(ds, user_id=user)
+    assert sorted(e["n"] for e in got) == list(range(40))
+    # One statement when the scan's connection reaches every shard (one MariaDB
+    # server); else the bodies the scan could not join are read from their
+    # shards: SQLite files one by one, the other server's two databases at once.
+    expected = {"sqlite": 1 + 3, "t": 1, "t2": 2}[topo3.name]
+    assert len(statements) == expected, statements
+
+
+def test_a_joined_body_is_taken_only_from_the_shard_the_placement_names(
+    topo3: Topology,
+) -> None:
+    ds = topo3.open(indexes=[user_idx], refresh_interval=3600)
+    user = b"v" * 16
+    shard_of = ds.placement.shard_of_bucket
+    index_shard = shard_of[bucket_of(keys.encode_value(user), ds._buckets)]
+    # An entity that lives on another shard than its user's index rows...
+    while True:
+        entity_id = ds.put({"user_id": user, "name": "real"})
+        bucket = ds.bucket_of_id(entity_id)
+        assert bucket is not None
+        if shard_of[bucket] != index_shard:
+            break
+        ds.delete(entity_id)
+    # ...and a stale copy of it on the index's shard (as a move leaves one
+    # behind until its source copy is deleted), which the scan can join.
+    b = ds._backends[index_shard]
+    stale = codec.encode({"id": entity_id, "user_id": user, "name": "stale"})
+    p = b.dialect.param
+    b.execute(
+        f"INSERT INTO entities (id, bucket, updated, version, body) VALUES ({p}, {p}, 1, 1, {p})",
+        (entity_id, bucket, stale),
+    )
+    got = user_idx.get_all(ds, user_id=user)
+    assert [e["name"] for e in got] == ["real"]
+    assert ds.get(entity_id) == {"id": entity_id, "user_id": user, "name": "real"}
+
+
+def test_a_kind_placed_by_the_shard_on_value_joins_only_its_own_table(
+    topo3: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = topo3.open(indexes=[user_idx], shard_key="user_id", refresh_interval=3600)
+    user = b"w" * 16
+    ds.put_many([{"user_id": user, "n": i} for i in range(10)])
+    statements = _count_statements(ds, monkeypatch)
+    assert sorted(e["n"] for e in user_idx.get_all(ds, user_id=user)) == list(range(10))
+    # The user's entities sit beside the user's index rows: one statement,
+    # joined with that database's entity table alone.
+    assert len(statements) == 1
+    assert statements[0].count("LEFT JOIN") == 1

@@ -917,12 +917,61 @@ class Datastore:
         scans = shard_scans(
             plan, self._backends, self._shard_of_bucket, self._buckets, self._sole_shard
         )
-        return [_Stream(self._backends[i], scan, page) for i, scan in scans.items()]
+        backends = self._backends
+        if len(scans) != 1 or not self._uncached():
+            # Several scans merge rows from every shard, and over-read each for
+            # that (see first_page): bodies read with them would mostly be of rows
+            # never taken.  With a cache level, the cache reads the entities.
+            return [_Stream(backends[i], scan, page) for i, scan in scans.items()]
+        # One scan and no cache level: the scan reads the bodies of its rows'
+        # entities in the same statement, from its own database and those its
+        # connection reaches (see _together), saving the second round trip.
+        # A kind placed by the index's shard_on value (hashed, as index rows are)
+        # keeps each entity beside its index rows: joining the other databases
+        # would only add lookups that find nothing (~10 us a row on MariaDB).
+        placer = self._placer
+        beside = placer.shard_key == plan.index.shard_on and placer.directory is None
+        streams = []
+        for i, scan in scans.items():
+            joined = (i,) if beside else self._joinable(i)
+            scan.join_kind = self.kind
+            scan.join = tuple(None if k == i else backends[k].schema for k in joined)
+            streams.append(
+                _Stream(
+                    backends[i], scan, page, joined=joined, shard_of_bucket=self._shard_of_bucket
+                )
+            )
+        return streams
 
-    def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
+    def _joinable(self, shard: int) -> tuple[int, ...]:
+        """``shard``, then the shards whose tables its connection reaches (the
+        databases of one server and login)."""
+        backends = self._backends
+        together = backends[shard].together
+        if together is None:
+            return (shard,)
+        others = (k for k, b in enumerate(backends) if k != shard and b.together == together)
+        return (shard, *others)
+
+    def fetch_for_query(
+        self, ids: Sequence[bytes], known: Mapping[bytes, bytes]
+    ) -> dict[bytes, dict[str, Any]]:
         if self._uncached():
             decode = codec.decode
-            return {r[0]: decode(r[1]) for r in self._read_rows(ids, stamps=False)}
+            if not known:
+                return {r[0]: decode(r[1]) for r in self._read_rows(ids, stamps=False)}
+            out: dict[bytes, dict[str, Any]] = {}
+            missing = []
+            for entity_id in ids:
+                body = known.get(entity_id)
+                if body is None:
+                    missing.append(entity_id)
+                elif entity_id not in out:
+                    out[entity_id] = decode(body)
+            if missing:
+                for r in self._read_rows(missing, stamps=False):
+                    out[r[0]] = decode(r[1])
+            return out
         return self._cache.decoded(list(dict.fromkeys(ids)), self._fetch_many)
 
     # -- scale-out -----------------------------------------------------------------

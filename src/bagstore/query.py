@@ -315,23 +315,53 @@ class _Stream:
     first page of a scan over several shards can be smaller (see
     :func:`first_page`)."""
 
-    def __init__(self, backend: Backend, scan: Scan, page: int) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        scan: Scan,
+        page: int,
+        *,
+        joined: tuple[int, ...] = (),
+        shard_of_bucket: Sequence[int] = (),
+    ) -> None:
         self.backend, self.scan, self.page = backend, scan, page
         self.next = page
         self.rows: list[tuple[bytes, ...]] = []
         self.done = False
+        # A scan joined with entity tables (``scan.join``): the shard of each
+        # joined table, and where the bodies read with the rows go (id -> body,
+        # only copies that the placement puts on the shard they were read from).
+        self.joined, self.shard_of_bucket = joined, shard_of_bucket
+        self.bodies: dict[bytes, bytes] = {}
 
     def fetch(self) -> None:
         self.scan.limit = self.next
         self.accept(self.backend.scan_index(self.scan))
 
-    def accept(self, rows: list[tuple[bytes, ...]]) -> None:
+    def accept(self, rows: list[tuple[Any, ...]]) -> None:
         """Take the next page of rows (read with ``scan.limit == next``)."""
+        if self.joined:
+            rows = self._keep_bodies(rows)
         self.rows = rows
         self.done = len(rows) < self.next
         self.next = self.page
         if rows:
             self.scan.after = rows[-1]
+
+    def _keep_bodies(self, rows: list[tuple[Any, ...]]) -> list[tuple[bytes, ...]]:
+        """Split joined rows: the index columns stay rows, the body of each row's
+        entity goes to ``bodies`` if a joined table holds the copy that the
+        placement names (a copy elsewhere, left by a move, is not that one)."""
+        width = len(self.scan.order_columns)
+        bodies, owner = self.bodies, self.shard_of_bucket
+        for row in rows:
+            for n, shard in enumerate(self.joined):
+                at = width + 2 * n
+                body = row[at + 1]
+                if body is not None and owner[row[at]] == shard:
+                    bodies[row[width - 1]] = body
+                    break
+        return [row[:width] for row in rows]
 
     def __iter__(self) -> Iterator[tuple[bytes, ...]]:
         while True:
@@ -396,8 +426,11 @@ class Source(Protocol):
 
     def fetch_streams(self, streams: list[_Stream]) -> None: ...
 
-    def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
-        """``{id: entity}`` of the ids (which may repeat) that exist."""
+    def fetch_for_query(
+        self, ids: Sequence[bytes], known: Mapping[bytes, bytes]
+    ) -> dict[bytes, dict[str, Any]]:
+        """``{id: entity}`` of the ids (which may repeat) that exist; ``known``:
+        encoded bodies the scans read already."""
         ...
 
 
@@ -413,9 +446,11 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
     page = min(max((limit or 500) + 1, 20), 1000)
     streams = source.scan_streams(plan, page)
     first = first_page(limit, len(streams), page)
+    known: dict[bytes, bytes] = {}  # bodies read with the index rows (joined scans)
     for s in streams:
         s.scan.after = after
         s.next = first
+        s.bodies = known
     source.fetch_streams(streams)
     # One shard's scan is in index order already; several are merged.
     if len(streams) == 1:
@@ -444,7 +479,7 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
     while len(results) < want and not exhausted:
         rows = take(batch)
         exhausted = len(rows) < batch
-        entities = source.fetch_for_query([r[-1] for r in rows])
+        entities = source.fetch_for_query([r[-1] for r in rows], known)
         for i, row in enumerate(rows):
             entity_id = row[-1]
             entity = entities.get(entity_id)

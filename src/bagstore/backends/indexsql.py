@@ -54,6 +54,12 @@ class Scan:
     after: tuple[bytes, ...] | None = None
     desc: bool = False
     limit: int = 100
+    #: Read entity bodies in the same statement: the kind whose entity tables
+    #: each row is LEFT JOINed with, and those tables' databases (None: the
+    #: scanned one).  Each row then ends with ``bucket, body`` per database
+    #: (NULLs where that database has no such entity), after the order columns.
+    join_kind: str | None = None
+    join: tuple[str | None, ...] = ()
 
     @property
     def order_columns(self) -> tuple[str, ...]:
@@ -93,6 +99,8 @@ def scan_sql(
         int(s.limit),
         schema,
         None if tag is None else int(tag),
+        s.join_kind,
+        s.join,
     )
     return sql, params
 
@@ -110,39 +118,58 @@ def _scan_text(
     limit: int,
     schema: str | None,
     tag: int | None,
+    join_kind: str | None = None,
+    join: tuple[str | None, ...] = (),
 ) -> str:
     """The text of :func:`scan_sql` for scans of one shape (built once)."""
+    # Joined, every column of the index table is named through its alias (a
+    # property may share a name with a column of the entity tables).
+    alias = "i." if join_kind is not None else ""
+
+    def col(name: str) -> str:
+        return alias + d.q(name)
+
     where: list[str] = []
-    for col, count in zip(columns, eq_counts, strict=False):
+    for name, count in zip(columns, eq_counts, strict=False):
         if count == 1:
-            where.append(f"{d.q(col)} = {d.param}")
+            where.append(f"{col(name)} = {d.param}")
         else:
-            where.append(f"{d.q(col)} IN ({d.params(count)})")
+            where.append(f"{col(name)} IN ({d.params(count)})")
     order = (*columns[len(eq_counts) :], ENTITY_ID)
     if lower is not None:
-        where.append(f"{d.q(order[0])} {'>=' if lower else '>'} {d.param}")
+        where.append(f"{col(order[0])} {'>=' if lower else '>'} {d.param}")
     if upper is not None:
-        where.append(f"{d.q(order[0])} {'<=' if upper else '<'} {d.param}")
+        where.append(f"{col(order[0])} {'<=' if upper else '<'} {d.param}")
     if after:
-        where.append(_keyset(d, order, "<" if desc else ">"))
+        where.append(_keyset(d, tuple(col(c) for c in order), "<" if desc else ">"))
     direction = " DESC" if desc else ""
     name = d.q(table) if schema is None else f"{d.q(schema)}.{d.q(table)}"
     first = "" if tag is None else f"{tag} AS bagstore_part, "
+    selected = [col(c) for c in order]
+    joins = ""
+    if join_kind is not None:
+        name += " AS i"
+        for n, db in enumerate(join or (None,)):
+            db = db if db is not None else schema
+            entities = d.q(join_kind) if db is None else f"{d.q(db)}.{d.q(join_kind)}"
+            joins += f" LEFT JOIN {entities} AS e{n} ON e{n}.id = i.{d.q(ENTITY_ID)}"
+            selected += (f"e{n}.bucket", f"e{n}.body")
     return (
-        f"SELECT {first}{', '.join(d.q(c) for c in order)} FROM {name}"
+        f"SELECT {first}{', '.join(selected)} FROM {name}{joins}"
         + (f" WHERE {' AND '.join(where)}" if where else "")
-        + f" ORDER BY {', '.join(d.q(c) + direction for c in order)} LIMIT {limit}"
+        + f" ORDER BY {', '.join(col(c) + direction for c in order)} LIMIT {limit}"
     )
 
 
 def _keyset(d: Dialect, cols: Sequence[str], op: str) -> str:
     """``(a, b, c) > (x, y, z)`` spelled so every optimiser uses the index:
     ``a >= x AND (a > x OR (a = x AND (b > y OR (b = y AND c > z))))``; the
-    parameters are ``x, x, x, y, y, z`` (see :func:`scan_sql`)."""
-    inner = f"{d.q(cols[-1])} {op} {d.param}"
-    for col in reversed(cols[:-1]):
-        inner = f"{d.q(col)} {op} {d.param} OR ({d.q(col)} = {d.param} AND ({inner}))"
-    return f"{d.q(cols[0])} {op}= {d.param} AND ({inner})"
+    parameters are ``x, x, x, y, y, z`` (see :func:`scan_sql`).  ``cols`` are
+    quoted (and qualified) already."""
+    inner = f"{cols[-1]} {op} {d.param}"
+    for c in reversed(cols[:-1]):
+        inner = f"{c} {op} {d.param} OR ({c} = {d.param} AND ({inner}))"
+    return f"{cols[0]} {op}= {d.param} AND ({inner})"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -354,7 +381,12 @@ def scan_index_together(parts: Sequence[tuple[IndexOps, Scan]]) -> list[list[tup
     for row in lead.fetchall(d.union_all_sql(selects), params):
         out[int(row[0])].append(row[1:])
     # SQL keeps no order across a UNION: put each part back in index order (the
-    # columns compare bytewise, as Python compares these tuples).
+    # columns compare bytewise, as Python compares these tuples; a part's order
+    # columns are unique, so joined columns after them never decide).
     for rows, (_, scan) in zip(out, parts, strict=True):
-        rows.sort(reverse=scan.desc)
+        if scan.join_kind is None:
+            rows.sort(reverse=scan.desc)
+        else:
+            width = len(scan.order_columns)
+            rows.sort(key=lambda r: r[:width], reverse=scan.desc)
     return out
