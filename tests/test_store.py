@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import binascii
 import datetime as dt
-import os
 import threading
-import time
 import zoneinfo
 from pathlib import Path
 
@@ -279,21 +277,3 @@ def test_sqlite_lock_held_past_busy_timeout_is_a_clear_error(tmp_path: Path) -> 
         assert backend.fetchall("SELECT n FROM t ORDER BY n") == [(1,), (3,)]
     finally:
         backend.close()
-
-
-def test_sqlite_checkpoints_its_wal_in_the_background(tmp_path: Path) -> None:
-    from bagstore.backends import sqlite
-
-    ds = bagstore.open(str(tmp_path / "store"), shards=1)
-    backend = ds._backends[0]
-    wal = Path(backend.path + "-wal")
-    # Single puts, no bulk step (which checkpoints by itself): a WAL past the
-    # checkpointer's threshold, still under SQLite's own (4 MiB).
-    while not wal.exists() or wal.stat().st_size <= sqlite.CHECKPOINT_WAL_BYTES:
-        ds.put({"blob": os.urandom(4000)})
-    deadline = time.monotonic() + 10
-    while backend.checkpoints == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert backend.checkpoints >= 1
-    ds.close()
-    assert backend not in sqlite._CHECKPOINTER._conns  # its connection closed with it

@@ -12,15 +12,6 @@ after 50 µs, doubling up to 0.5 ms, until ``busy_timeout`` seconds have passed.
 ``synchronous=NORMAL`` by default: in WAL mode a crash of the process loses
 nothing, a power cut may lose the last transactions (``synchronous="FULL"``
 makes every commit durable).
-
-Checkpoints run in the background.  Left to SQLite, the commit that grows the
-WAL past ``wal_autocheckpoint`` pages copies them all into the database file
-and syncs it: with a writer at 500 puts/s on a 200,000-entity store that was
-one commit in a hundred, and the writer's p99 went from ~2 to ~20 ms.  One
-thread per process checkpoints every file it has opened (``PASSIVE``: it
-neither waits for nor blocks readers and writers) once its WAL passes
-``CHECKPOINT_WAL_BYTES``; SQLite's own checkpoint stays as the bound if that
-thread falls behind.
 """
 
 from __future__ import annotations
@@ -51,81 +42,6 @@ _BUSY_FIRST_WAIT = 0.00005
 _BUSY_MAX_WAIT = 0.0005
 
 _SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
-
-#: The background checkpointer checkpoints a file whose WAL is larger than
-#: this (a quarter of SQLite's own threshold, 1,000 pages of 4 KiB) and
-#: looks every ``CHECKPOINT_EVERY`` seconds.
-CHECKPOINT_WAL_BYTES = 1 << 20
-CHECKPOINT_EVERY = 0.05
-
-
-class _Checkpointer:
-    """The one thread of a process that checkpoints its SQLite files' WALs.
-
-    Runs while at least one backend is registered; each backend gets its own
-    connection here, closed when the backend closes (under ``_lock``, which a
-    checkpoint holds: a close waits for at most one checkpoint)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._conns: dict[SQLiteBackend, sqlite3.Connection | None] = {}
-        self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
-
-    def register(self, backend: SQLiteBackend) -> None:
-        with self._lock:
-            if self._pid != os.getpid():  # a forked child: the thread stayed behind
-                self._pid, self._conns, self._thread = os.getpid(), {}, None
-            self._conns.setdefault(backend, None)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="bagstore-checkpoint", daemon=True
-                )
-                self._thread.start()
-
-    def forget(self, backend: SQLiteBackend) -> None:
-        with self._lock:
-            conn = self._conns.pop(backend, None)
-            if conn is not None:
-                conn.close()
-
-    def _run(self) -> None:
-        me = threading.current_thread()
-        while True:
-            time.sleep(CHECKPOINT_EVERY)
-            with self._lock:
-                if self._thread is not me:  # replaced (after a fork)
-                    return
-                if not self._conns:  # every file closed: the next open starts one
-                    self._thread = None
-                    return
-                backends = list(self._conns)
-            for backend in backends:
-                try:
-                    size = os.stat(backend.path + "-wal").st_size
-                except OSError:
-                    continue
-                if size > CHECKPOINT_WAL_BYTES:
-                    self._checkpoint(backend)
-
-    def _checkpoint(self, backend: SQLiteBackend) -> None:
-        with self._lock:
-            if backend not in self._conns:  # closed meanwhile
-                return
-            conn = self._conns[backend]
-            try:
-                if conn is None:
-                    conn = self._conns[backend] = sqlite3.connect(
-                        backend.path, isolation_level=None, check_same_thread=False
-                    )
-                    conn.execute("PRAGMA busy_timeout=0")
-                conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                backend.checkpoints += 1
-            except sqlite3.Error:
-                pass  # busy, or the file is gone: SQLite's own checkpoint remains
-
-
-_CHECKPOINTER = _Checkpointer()
 
 
 class SQLiteDialect(Dialect):
@@ -248,8 +164,6 @@ class SQLiteBackend(Backend):
                 f"synchronous must be one of {_SYNCHRONOUS}, not {synchronous!r}"
             )
         self.path = path
-        #: Checkpoints the background thread made of this file (see the module).
-        self.checkpoints = 0
         self._synchronous = synchronous.upper()
         self._busy_timeout = busy_timeout
         self._local = threading.local()
@@ -326,8 +240,6 @@ class SQLiteBackend(Backend):
         conn.execute("PRAGMA busy_timeout=0")  # bagstore waits for locks itself (see run)
         with self._lock:
             self._all.append(conn)
-        if self.path != ":memory:":
-            _CHECKPOINTER.register(self)
         return conn
 
     def _acquire(self) -> Any:
@@ -362,7 +274,6 @@ class SQLiteBackend(Backend):
         conn.close()
 
     def close(self) -> None:
-        _CHECKPOINTER.forget(self)
         with self._lock:
             conns, self._all = self._all, []
         for conn in conns:
