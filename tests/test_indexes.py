@@ -434,18 +434,11 @@ def test_shards_sharing_a_server_are_read_in_one_statement(
     ds = topo3.open(indexes=[pub_idx], refresh_interval=3600)
     ids = ds.put_many([{"published": i} for i in range(60)])
     assert len({ds.placement.shard_of_bucket[ds.bucket_of_id(i) or 0] for i in ids}) == 4
-    statements: list[str] = []
-    for b in ds._backends:
-        original = b.fetchall
-
-        def counting(sql: str, params: Any = (), _original: Any = original) -> Any:
-            statements.append(sql)
-            return _original(sql, params)
-
-        monkeypatch.setattr(b, "fetchall", counting)
-    # SQLite files: one statement per shard; MariaDB: one per server.
+    statements = _count_statements(ds, monkeypatch)
+    # One statement per MariaDB server; SQLite files are attached to one
+    # reading connection, so all four are read in one statement too.
     groups = len({b.together or id(b) for b in ds._backends})
-    assert groups == {"sqlite": 4, "t": 1, "t2": 2}[topo3.name]
+    assert groups == {"sqlite": 1, "t": 1, "t2": 2}[topo3.name]
     got = ds.get_many(list(reversed(ids)))
     assert [e["published"] for e in got if e is not None] == list(range(59, -1, -1))
     assert len(statements) == groups
@@ -464,6 +457,8 @@ def test_shards_sharing_a_server_are_read_in_one_statement(
 
 
 def _count_statements(ds: bagstore.Datastore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the reads sent to ``ds``'s shards: ``fetchall`` on a shard's own
+    connection, and on SQLite ``read_together`` (MariaDB's calls fetchall)."""
     statements: list[str] = []
     for b in ds._backends:
         original = b.fetchall
@@ -473,6 +468,16 @@ def _count_statements(ds: bagstore.Datastore, monkeypatch: pytest.MonkeyPatch) -
             return _original(sql, params)
 
         monkeypatch.setattr(b, "fetchall", counting)
+        if b.dialect.name == "sqlite":
+            together = b.read_together
+
+            def counting_together(
+                sql: str, params: Any, reach: Any, _original: Any = together
+            ) -> Any:
+                statements.append(sql)
+                return _original(sql, params, reach)
+
+            monkeypatch.setattr(b, "read_together", counting_together)
     return statements
 
 
@@ -490,9 +495,9 @@ def test_a_lookup_reads_bodies_with_the_index_rows(
     got = user_idx.get_all(ds, user_id=user)
     assert sorted(e["n"] for e in got) == list(range(40))
     # One statement when the scan's connection reaches every shard (one MariaDB
-    # server); else the bodies the scan could not join are read from their
-    # shards: SQLite files one by one, the other server's two databases at once.
-    expected = {"sqlite": 1 + 3, "t": 1, "t2": 2}[topo3.name]
+    # server, SQLite files); else the bodies the scan could not join are read
+    # afterwards: the other server's two databases in one statement.
+    expected = {"sqlite": 1, "t": 1, "t2": 2}[topo3.name]
     assert len(statements) == expected, statements
 
 
@@ -537,3 +542,27 @@ def test_a_kind_placed_by_the_shard_on_value_joins_only_its_own_table(
     # joined with that database's entity table alone.
     assert len(statements) == 1
     assert statements[0].count("LEFT JOIN") == 1
+
+
+def test_sqlite_reads_more_files_than_one_connection_attaches(tmp_path: Any) -> None:
+    # 12 files: one reading connection attaches at most 10, so the bodies are
+    # read in two statements and a lookup's scan joins 10 files, the rest by id.
+    urls = [f"sqlite:///{tmp_path}/shard_{i}.db" for i in range(12)]
+    ds = bagstore.Datastore(urls, indexes=[user_idx])
+    other = bagstore.Datastore(
+        [f"sqlite:///{tmp_path}/other_{i}.db" for i in range(4)], indexes=[user_idx]
+    )
+    try:
+        user = b"x" * 16
+        ids = ds.put_many([{"user_id": user, "n": i} for i in range(120)])
+        other_ids = other.put_many([{"user_id": user, "n": i} for i in range(8)])
+        assert len({ds.placement.shard_of_bucket[ds.bucket_of_id(i) or 0] for i in ids}) == 12
+        for _ in range(2):  # the same thread's connection, attaching and detaching
+            got = ds.get_many(ids)
+            assert [e["n"] for e in got if e is not None] == list(range(120))
+            assert sorted(e["n"] for e in user_idx.get_all(ds, user_id=user)) == list(range(120))
+            assert [e["n"] for e in other.get_many(other_ids) if e is not None] == list(range(8))
+            assert len(user_idx.get_all(other, user_id=user)) == 8
+    finally:
+        ds.close()
+        other.close()

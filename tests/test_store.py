@@ -277,3 +277,35 @@ def test_sqlite_lock_held_past_busy_timeout_is_a_clear_error(tmp_path: Path) -> 
         assert backend.fetchall("SELECT n FROM t ORDER BY n") == [(1,), (3,)]
     finally:
         backend.close()
+
+
+def test_sqlite_read_together_attaches_and_detaches_files(tmp_path: Path) -> None:
+    from bagstore.backends.sqlite import SQLiteBackend
+
+    backends = [SQLiteBackend(str(tmp_path / f"f{i}.db")) for i in range(19)]
+    try:
+        for n, b in enumerate(backends):
+            b.execute("CREATE TABLE t (n INTEGER)")
+            b.execute("INSERT INTO t VALUES (?)", (n,))
+        lead = backends[0]
+
+        def read(group: list[SQLiteBackend]) -> list[int]:
+            q = lead.dialect.q
+            parts = [f"SELECT n FROM {q(b.schema or '')}.t" for b in group]
+            sql = lead.dialect.union_all_sql(parts)
+            return sorted(row[0] for row in lead.read_together(sql, (), group))
+
+        first, second = backends[:10], [lead, *backends[10:]]
+        for _ in range(2):  # ten files attached, then nine of them swapped for others
+            assert read(first) == list(range(10))
+            assert read(second) == [0, *range(10, 19)]
+        with pytest.raises(bagstore.ConfigurationError, match="cannot be read together"):
+            lead.read_together("SELECT 1", (), [lead, SQLiteBackend(":memory:")])
+        gone = SQLiteBackend(str(tmp_path / "never_created.db"))
+        with pytest.raises(bagstore.BackendError, match="unable to open"):
+            lead.read_together("SELECT 1", (), [lead, gone])
+        assert not (tmp_path / "never_created.db").exists()  # not created by the read
+        assert read(first) == list(range(10))  # the reading connection still works
+    finally:
+        for b in backends:
+            b.close()

@@ -141,6 +141,11 @@ class Datastore:
             else self._backends[0]
         )
         self._executor: ThreadPoolExecutor | None = None
+        # see _joinable: (shard, alone, shards) -> (shards, schemas, backends)
+        self._join_plans: dict[
+            tuple[int, bool, int],
+            tuple[tuple[int, ...], tuple[str | None, ...], tuple[Backend, ...]],
+        ] = {}
         self._max_workers = max_workers or min(32, 2 * len(self._backends))
         if parallel is not None and not isinstance(parallel, bool):
             raise ConfigurationError(f"parallel must be True, False or None, not {parallel!r}")
@@ -742,8 +747,13 @@ class Datastore:
         the others alone, in order."""
         groups: dict[Any, list[T]] = {}
         for n, item in enumerate(items):
-            key = backend_of(item).together
-            groups.setdefault(key if key is not None else ("alone", n), []).append(item)
+            backend = backend_of(item)
+            key = backend.together
+            group = groups.setdefault(key if key is not None else ("alone", n), [])
+            if backend.max_together is not None and len(group) == backend.max_together:
+                groups[("full", n)] = group  # that statement is full: start another
+                group = groups[key] = []
+            group.append(item)
         return list(groups.values())
 
     def fetch_streams(self, streams: list[_Stream]) -> None:
@@ -933,25 +943,47 @@ class Datastore:
         beside = placer.shard_key == plan.index.shard_on and placer.directory is None
         streams = []
         for i, scan in scans.items():
-            joined = (i,) if beside else self._joinable(i)
+            joined, schemas, reach = self._joinable(i, beside)
             scan.join_kind = self.kind
-            scan.join = tuple(None if k == i else backends[k].schema for k in joined)
+            scan.join = schemas
             streams.append(
                 _Stream(
-                    backends[i], scan, page, joined=joined, shard_of_bucket=self._shard_of_bucket
+                    backends[i],
+                    scan,
+                    page,
+                    joined=joined,
+                    reach=reach,
+                    shard_of_bucket=self._shard_of_bucket,
                 )
             )
         return streams
 
-    def _joinable(self, shard: int) -> tuple[int, ...]:
-        """``shard``, then the shards whose tables its connection reaches (the
-        databases of one server and login)."""
+    def _joinable(
+        self, shard: int, alone: bool
+    ) -> tuple[tuple[int, ...], tuple[str | None, ...], tuple[Backend, ...]]:
+        """The shards whose entity tables a scan of ``shard`` joins: ``shard``
+        (unless ``alone``) the shards its connection also reaches (the databases
+        of one server and login, SQLite files), with their ``schema`` names (None:
+        the scanned one) and backends (the others).  Kept until shards change."""
         backends = self._backends
+        key = (shard, alone, len(backends))
+        known = self._join_plans.get(key)
+        if known is not None:
+            return known
         together = backends[shard].together
-        if together is None:
-            return (shard,)
-        others = (k for k, b in enumerate(backends) if k != shard and b.together == together)
-        return (shard, *others)
+        others: list[int] = []
+        if not alone and together is not None:
+            others = [k for k, b in enumerate(backends) if k != shard and b.together == together]
+            limit = backends[shard].max_together
+            if limit is not None and len(others) >= limit:
+                others = others[: limit - 1]  # the rest are read by id afterwards
+        plan = (
+            (shard, *others),
+            (None, *(backends[k].schema for k in others)),
+            tuple(backends[k] for k in others),
+        )
+        self._join_plans[key] = plan
+        return plan
 
     def fetch_for_query(
         self, ids: Sequence[bytes], known: Mapping[bytes, bytes]

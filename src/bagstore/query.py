@@ -322,6 +322,7 @@ class _Stream:
         page: int,
         *,
         joined: tuple[int, ...] = (),
+        reach: tuple[Backend, ...] = (),
         shard_of_bucket: Sequence[int] = (),
     ) -> None:
         self.backend, self.scan, self.page = backend, scan, page
@@ -332,11 +333,12 @@ class _Stream:
         # joined table, and where the bodies read with the rows go (id -> body,
         # only copies that the placement puts on the shard they were read from).
         self.joined, self.shard_of_bucket = joined, shard_of_bucket
+        self.reach = reach  # the shards of joined[1:]
         self.bodies: dict[bytes, bytes] = {}
 
     def fetch(self) -> None:
         self.scan.limit = self.next
-        self.accept(self.backend.scan_index(self.scan))
+        self.accept(self.backend.scan_index(self.scan, self.reach))
 
     def accept(self, rows: list[tuple[Any, ...]]) -> None:
         """Take the next page of rows (read with ``scan.limit == next``)."""
@@ -354,12 +356,14 @@ class _Stream:
         placement names (a copy elsewhere, left by a move, is not that one)."""
         width = len(self.scan.order_columns)
         bodies, owner = self.bodies, self.shard_of_bucket
+        # (position of a joined table's bucket column, that table's shard)
+        places = [(width + 2 * n, shard) for n, shard in enumerate(self.joined)]
+        last = width - 1
         for row in rows:
-            for n, shard in enumerate(self.joined):
-                at = width + 2 * n
+            for at, shard in places:
                 body = row[at + 1]
                 if body is not None and owner[row[at]] == shard:
-                    bodies[row[width - 1]] = body
+                    bodies[row[last]] = body
                     break
         return [row[:width] for row in rows]
 

@@ -267,6 +267,8 @@ class Backend(BucketOps, IndexOps):
         self.together: tuple[Any, ...] | None = None
         #: This shard's database name, qualifying its tables in such a statement.
         self.schema: str | None = None
+        #: At most this many shards in one such statement (None: no limit).
+        self.max_together: int | None = None
         self._schema_lock = threading.Lock()
         self._ready_kinds: set[str] = set()
         #: Index scans sent to this shard (tests count them to see routing).
@@ -426,6 +428,14 @@ class Backend(BucketOps, IndexOps):
                 cur.close()
 
         return self.run(work)
+
+    def read_together(
+        self, sql: str, params: Sequence[Any], reach: Sequence[Backend]
+    ) -> list[tuple[Any, ...]]:
+        """Run a read whose tables are qualified by the ``schema`` of the shards
+        ``reach`` (this one among them; all of one ``together`` key).  Here, on
+        this shard's own connection, which reaches the others already."""
+        return self.fetchall(sql, params)
 
     def _executescript(self, statements: Sequence[str]) -> None:
         def work(conn: Any) -> None:
@@ -733,7 +743,8 @@ def read_bodies_together(
     for backend, ids in parts:
         selects.append(lead.sql("select_bodies_sql", kind, len(ids), False, backend.schema, stamps))
         params.extend(ids)
-    return lead.fetchall(lead.dialect.union_all_sql(selects), params)
+    sql = lead.dialect.union_all_sql(selects)
+    return lead.read_together(sql, params, [backend for backend, _ in parts])
 
 
 def _fetchone(conn: Any, sql: str, params: Sequence[Any]) -> Any:

@@ -207,6 +207,11 @@ class IndexOps:
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         raise NotImplementedError
 
+    def read_together(
+        self, sql: str, params: Sequence[Any], reach: Sequence[Any]
+    ) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
+
     def _executescript(self, statements: Sequence[str]) -> None:
         raise NotImplementedError
 
@@ -281,10 +286,15 @@ class IndexOps:
             removed += n
         return removed
 
-    def scan_index(self, scan: Scan) -> list[tuple[bytes, ...]]:
+    def scan_index(self, scan: Scan, reach: Sequence[Any] = ()) -> list[tuple[bytes, ...]]:
+        """One page of ``scan`` (tuples of bytes, as every driver gives them);
+        ``reach``: the other shards whose entity tables ``scan.join`` names."""
         self.scans += 1
-        sql, params = scan_sql(self.dialect, scan)
-        return self.fetchall(sql, params)  # tuples of bytes, as every driver gives them
+        if not reach:
+            sql, params = scan_sql(self.dialect, scan)
+            return self.fetchall(sql, params)
+        sql, params = scan_sql(self.dialect, scan, schema=self.schema)
+        return self.read_together(sql, params, [self, *reach])
 
     # -- unique claims -----------------------------------------------------------
     def claim(
@@ -378,7 +388,8 @@ def scan_index_together(parts: Sequence[tuple[IndexOps, Scan]]) -> list[list[tup
         selects.append(sql)
         params.extend(p)
     out: list[list[tuple[bytes, ...]]] = [[] for _ in parts]
-    for row in lead.fetchall(d.union_all_sql(selects), params):
+    reach = [backend for backend, _ in parts]
+    for row in lead.read_together(d.union_all_sql(selects), params, reach):
         out[int(row[0])].append(row[1:])
     # SQL keeps no order across a UNION: put each part back in index order (the
     # columns compare bytewise, as Python compares these tuples; a part's order

@@ -9,6 +9,13 @@ finds the lock held for a fraction of a millisecond waited at least 1 ms and
 often 8 or 18.  Here a unit of work refused with ``SQLITE_BUSY`` is run again
 after 50 µs, doubling up to 0.5 ms, until ``busy_timeout`` seconds have passed.
 
+Reads that span several files (the bodies of entities on several shards, a
+query's scans, an index scan joined with every shard's entity table) go
+through one more connection per thread: an in-memory database with the shard
+files ``ATTACH``ed under names of their own, so that one statement reads
+them all, as one statement reads the databases of a MariaDB server.  Never
+used to write: ``BEGIN IMMEDIATE`` on it would lock every attached file.
+
 ``synchronous=NORMAL`` by default: in WAL mode a crash of the process loses
 nothing, a power cut may lose the last transactions (``synchronous="FULL"``
 makes every commit durable).
@@ -16,10 +23,12 @@ makes every commit durable).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -42,6 +51,9 @@ _BUSY_FIRST_WAIT = 0.00005
 _BUSY_MAX_WAIT = 0.0005
 
 _SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+#: Files one reading connection attaches at most (SQLite's default limit).
+_MAX_ATTACHED = 10
 
 
 class SQLiteDialect(Dialect):
@@ -75,6 +87,11 @@ class SQLiteDialect(Dialect):
             "CREATE TABLE IF NOT EXISTS bagstore_bucket_keys (kind TEXT NOT NULL, "
             "bucket INTEGER NOT NULL, n INTEGER NOT NULL, PRIMARY KEY (kind, bucket))",
         ]
+
+    def union_all_sql(self, parts: Sequence[str]) -> str:
+        # A part of a compound SELECT may not have its own ORDER BY or LIMIT in
+        # SQLite: each is a subquery.
+        return " UNION ALL ".join(f"SELECT * FROM ({p})" for p in parts)
 
     def insert_ignore_sql(self, table: str, columns: Sequence[str], rows: int = 1) -> str:
         cols = ", ".join(self.q(c) for c in columns)
@@ -170,6 +187,14 @@ class SQLiteBackend(Backend):
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         if path != ":memory:":
+            # Files of one process can be read together (see the module's text),
+            # each under a name derived from its path.
+            digest = hashlib.blake2b(os.path.abspath(path).encode(), digest_size=8).hexdigest()
+            self.together = ("sqlite",)
+            self.schema = f"bagstore_{digest}"
+            self.max_together = _MAX_ATTACHED
+        self._readers = threading.local()  # this thread's connection for read_together
+        if path != ":memory:":
             parent = os.path.dirname(os.path.abspath(path))
             os.makedirs(parent, exist_ok=True)
 
@@ -223,6 +248,58 @@ class SQLiteBackend(Backend):
             if isinstance(error, ShardUnavailable):
                 self._discard(conn)
             raise error from exc
+
+    def read_together(
+        self, sql: str, params: Sequence[Any], reach: Sequence[Backend]
+    ) -> list[tuple[Any, ...]]:
+        """Run a read over several shard files on this thread's reading
+        connection, attaching the files of ``reach`` it lacks (and detaching
+        others when it would hold too many)."""
+        local = self._readers
+        conn: sqlite3.Connection | None = getattr(local, "conn", None)
+        try:
+            if conn is None:
+                conn = sqlite3.connect(
+                    ":memory:", isolation_level=None, check_same_thread=False, uri=True
+                )
+                conn.execute("PRAGMA busy_timeout=0")  # waits as in run(), below
+                with self._lock:
+                    self._all.append(conn)
+                local.conn, local.attached = conn, {}
+            attached: dict[str, str] = local.attached
+            wanted: dict[str, str] = {}
+            for b in reach:
+                if not isinstance(b, SQLiteBackend) or b.schema is None:
+                    raise ConfigurationError(f"{b.name} cannot be read together with {self.name}")
+                wanted[b.schema] = b.path
+            # (A name is derived from its file's path: attached means this file.)
+            missing = [name for name in wanted if name not in attached]
+            if missing:
+                for name in [n for n in attached if n not in wanted]:
+                    if len(attached) + len(missing) <= _MAX_ATTACHED:
+                        break
+                    conn.execute(f"DETACH DATABASE {self.dialect.q(name)}")
+                    del attached[name]
+                for name in missing:
+                    # mode=rw: a missing file is an error, not a new empty database
+                    uri = f"file:{urllib.parse.quote(os.path.abspath(wanted[name]))}?mode=rw"
+                    conn.execute(f"ATTACH DATABASE ? AS {self.dialect.q(name)}", (uri,))
+                    attached[name] = wanted[name]
+            deadline = time.monotonic() + self._busy_timeout
+            wait = _BUSY_FIRST_WAIT
+            while True:
+                try:
+                    return conn.execute(sql, params).fetchall()
+                except sqlite3.OperationalError as exc:
+                    if not _is_busy(exc) or time.monotonic() >= deadline:
+                        raise
+                time.sleep(wait)
+                wait = min(2 * wait, _BUSY_MAX_WAIT)
+        except sqlite3.Error as exc:
+            if conn is not None and isinstance(self.translated(exc), ShardUnavailable):
+                local.conn = None
+                self._close(conn)
+            raise self.translated(exc) from exc
 
     def after_bulk_step(self) -> None:
         """Checkpoint the WAL (PASSIVE: it neither waits for nor blocks anyone).
@@ -279,6 +356,7 @@ class SQLiteBackend(Backend):
         for conn in conns:
             conn.close()
         self._local = threading.local()
+        self._readers = threading.local()
 
     def classify(self, exc: BaseException) -> type[BackendError]:
         text = str(exc).lower()
