@@ -19,11 +19,12 @@ bucket of the full key); it sends the statements bagstore sends.
 - ``put`` with those 2 indexes.  Raw: BEGIN; SELECT the old body FOR UPDATE;
   upsert; COMMIT; then insert-or-ignore the two index rows.  Target >= 0.7x raw.
 - the same lookup against raw SQL on bagstore's own 4 shard databases
-  (``RawLayout``: the statements bagstore sends, one per SQLite file, one
-  ``UNION ALL`` on MariaDB): what the layout costs, and what bagstore adds.
-- the same lookup and the same ``put`` on a store of ONE shard: the very
-  statements the raw side sends on its one database, so that the ratio is
-  bagstore's own cost (planning, routing, re-checking, fencing) alone.
+  (``RawLayout``: the statement bagstore sends, the index scan joined with
+  every shard's entity table, the SQLite files attached to one connection):
+  the ratio is what bagstore's Python adds to its own statement.
+- the same lookup and the same ``put`` on a store of ONE shard: for ``put``
+  the very statements the raw side sends on its one database; the lookup
+  reads the bodies in its index scan, one statement where raw sends two.
 - the same lookup on a kind placed by ``shard_key="user_id"`` (a user's
   entities share a bucket): reported beside it, no target of its own.
 - a scatter query: ``Index("index_published", ["published"])``, query
@@ -42,6 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bagstore import Index, codec, keys
+from bagstore.backends.indexsql import Scan, scan_sql
 from bagstore.sharding.hashing import bucket_of
 from bench.common import (
     Env,
@@ -159,65 +161,55 @@ class Raw:
 
 class RawLayout:
     """Raw DB-API over bagstore's OWN shard databases: a user lookup with the
-    statements bagstore sends there (the index scan on the shard of the user's
-    bucket, then the bodies of each shard: one statement per SQLite file, one
-    ``UNION ALL`` over the databases of the MariaDB server).  Against this,
-    bagstore's ratio is its own cost; against :class:`Raw` on one database,
-    the layout's cost as well."""
+    statement bagstore sends there (the index scan on the shard of the user's
+    bucket, LEFT JOINed with every shard's entity table: the databases of
+    the MariaDB server, or the SQLite files attached to one connection), then
+    the body of each row taken from the shard the placement names.  Against
+    this, bagstore's ratio is its own cost; against :class:`Raw` on one
+    database, the layout's cost as well."""
 
     def __init__(self, env: Env) -> None:
         self.d = env.dialect
-        placement = env.ds.placement
+        ds = env.ds
+        placement = ds.placement
         self.shard_of, self.buckets = placement.shard_of_bucket, int(placement.buckets)
-        self.sqlite = self.d.name == "sqlite"
-        locations = [name.split("/")[-1] if not self.sqlite else name for name in env.ds.shards]
-        if self.sqlite:
-            paths = [name.removeprefix("sqlite:///") for name in env.ds.shards]
-            self.conns = [sqlite3.connect(p, isolation_level=None) for p in paths]
+        self.schemas = [b.schema for b in ds._backends]
+        self.shards = len(self.schemas)
+        if self.d.name == "sqlite":
+            self.conn: Any = sqlite3.connect(":memory:", isolation_level=None)
+            for b in ds._backends:
+                self.conn.execute(f"ATTACH DATABASE ? AS {self.d.q(b.schema)}", (b.path,))
+            self.cur = self.conn.cursor()
         else:
+            self.conn = None
             self.cur = env.cursor()
-            self.schemas = [loc.split("?")[0] for loc in locations]
 
     def close(self) -> None:
-        for conn in getattr(self, "conns", []):
-            conn.close()
-
-    def _rows(self, shard: int, sql: str, params: Sequence[Any]) -> list[Any]:
-        if self.sqlite:
-            return self.conns[shard].execute(sql, params).fetchall()
-        self.cur.execute(sql, params)
-        return list(self.cur.fetchall())
+        if self.conn is not None:
+            self.conn.close()
 
     def user_lookup(self, user_id: bytes) -> list[dict[str, Any]]:
         full = keys.encode_value(user_id)
         shard = self.shard_of[bucket_of(full, self.buckets)]
-        table = "index_user_id" if self.sqlite else f"`{self.schemas[shard]}`.index_user_id"
-        p = self.d.param
-        ids = [
-            r[0]
-            for r in self._rows(
-                shard,
-                f"SELECT entity_id FROM {table} WHERE user_id = {p} ORDER BY entity_id LIMIT 501",
-                (keys.truncate(full)[0],),
-            )
-        ]
-        groups: dict[int, list[bytes]] = {}
-        for i in ids:
-            groups.setdefault(self.shard_of[bucket_of(i, self.buckets)], []).append(i)
-        found: dict[bytes, bytes] = {}
-        if self.sqlite:
-            for k, part in groups.items():
-                sql = self.d.select_bodies_sql(KIND, len(part), stamps=False)
-                found.update(self._rows(k, sql, part))
-        else:
-            sql = self.d.union_all_sql(
-                [
-                    self.d.select_bodies_sql(KIND, len(part), schema=self.schemas[k], stamps=False)
-                    for k, part in groups.items()
-                ]
-            )
-            found.update(self._rows(0, sql, [i for part in groups.values() for i in part]))
-        return [codec.decode(found[i]) for i in ids if i in found]
+        order = [shard, *(k for k in range(self.shards) if k != shard)]
+        scan = Scan(
+            "index_user_id",
+            ("user_id",),
+            [[keys.truncate(full)[0]]],
+            limit=501,
+            join_kind=KIND,
+            join=tuple(None if k == shard else self.schemas[k] for k in order),
+        )
+        sql, params = scan_sql(self.d, scan, schema=self.schemas[shard])
+        self.cur.execute(sql, params)
+        out = []
+        for row in self.cur.fetchall():
+            for n, k in enumerate(order):
+                body = row[2 + 2 * n]
+                if body is not None and self.shard_of[row[1 + 2 * n]] == k:
+                    out.append(codec.decode(body))
+                    break
+        return out
 
 
 def _check_same_bytes(env: Env, sample: dict[str, Any]) -> None:

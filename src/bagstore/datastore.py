@@ -748,7 +748,7 @@ class Datastore:
         groups: dict[Any, list[T]] = {}
         for n, item in enumerate(items):
             backend = backend_of(item)
-            key = backend.together
+            key = backend.together if backend.union_reads else None
             group = groups.setdefault(key if key is not None else ("alone", n), [])
             if backend.max_together is not None and len(group) == backend.max_together:
                 groups[("full", n)] = group  # that statement is full: start another
