@@ -309,24 +309,3 @@ def test_sqlite_read_together_attaches_and_detaches_files(tmp_path: Path) -> Non
     finally:
         for b in backends:
             b.close()
-
-
-def test_padded_in_lists_repeat_the_last_id() -> None:
-    from bagstore.backends.base import padded
-
-    ids = [bytes([i]) for i in range(20)]
-    assert padded(ids[:2]) == ids[:2]  # point reads stay as they are
-    assert padded(ids[:3]) == [*ids[:3], *[ids[2]] * 5]  # at least 8
-    assert padded(ids[:8]) == ids[:8]
-    assert padded(ids[:9]) == [*ids[:9], *[ids[8]] * 7]
-    assert padded(ids[:1], least=1) == ids[:1] * 8
-    many = [i.to_bytes(2, "big") for i in range(1100)]
-    assert padded(many) == many  # past 1,024: as they are
-
-
-def test_sqlite_reads_of_padded_lists_return_each_entity_once(tmp_path: Path) -> None:
-    ds = bagstore.open(str(tmp_path / "store"), shards=1)
-    ids = ds.put_many([{"n": i} for i in range(5)])
-    assert [e["n"] for e in ds.get_many(ids) if e is not None] == list(range(5))
-    assert len(ds._read_rows(ids, stamps=False)) == 5  # rows, not a dict: no repeats
-    ds.close()

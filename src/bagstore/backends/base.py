@@ -273,8 +273,6 @@ class Backend(BucketOps, IndexOps):
         #: (they save round trips to a server; an embedded database has none to
         #: save, and only a scan joined with the entity tables gains there).
         self.union_reads = True
-        #: Pad ``IN`` lists of reads (see :func:`padded`).
-        self.pad_in_lists = False
         self._schema_lock = threading.Lock()
         self._ready_kinds: set[str] = set()
         #: Index scans sent to this shard (tests count them to see routing).
@@ -545,8 +543,6 @@ class Backend(BucketOps, IndexOps):
         bytes and ints."""
         if not ids:
             return []
-        if self.pad_in_lists:
-            ids = padded(ids)
         sql = self.sql("select_bodies_sql", kind, len(ids), False, None, stamps)
         return self.fetchall(sql, ids)
 
@@ -739,19 +735,6 @@ FENCED_ROWS_READ_BY_KEY = 16
 TOGETHER_MAX_IDS = 2000
 
 
-def padded(ids: Sequence[bytes], *, least: int = 3) -> Sequence[bytes]:
-    """``ids`` with the last repeated up to a power of two, at least 8 (for
-    ``least`` ids or more, up to 1,024): ``IN (a, b, c, c)`` finds what ``IN
-    (a, b, c)`` does, and reads of varying sizes then share a few statement
-    texts, which a driver that prepares statements (SQLite's) finds in its
-    cache instead of preparing again (~90 us for a read of 4 files)."""
-    n = len(ids)
-    if n < least or n > 1024:
-        return ids
-    size = max(8, 1 << (n - 1).bit_length())
-    return ids if size == n else [*ids, *([ids[-1]] * (size - n))]
-
-
 def read_bodies_together(
     kind: str, parts: Sequence[tuple[Backend, Sequence[bytes]]], *, stamps: bool
 ) -> list[tuple[Any, ...]]:
@@ -762,8 +745,6 @@ def read_bodies_together(
     selects: list[str] = []
     params: list[Any] = []
     for backend, ids in parts:
-        if lead.pad_in_lists:
-            ids = padded(ids, least=1)  # the parts' sizes vary most
         selects.append(lead.sql("select_bodies_sql", kind, len(ids), False, backend.schema, stamps))
         params.extend(ids)
     sql = lead.dialect.union_all_sql(selects)

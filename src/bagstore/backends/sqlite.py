@@ -197,7 +197,6 @@ class SQLiteBackend(Backend):
             self.max_together = _MAX_ATTACHED
             # Measured: 4 files' bodies in one UNION ALL 89 us, one by one 81.
             self.union_reads = False
-        self.pad_in_lists = True  # sqlite3 prepares each new statement text
         self._readers = threading.local()  # this thread's connection for read_together
         if path != ":memory:":
             parent = os.path.dirname(os.path.abspath(path))
