@@ -203,12 +203,9 @@ class RawLayout:
         sql, params = scan_sql(self.d, scan, schema=self.schemas[shard])
         self.cur.execute(sql, params)
         out = []
-        for row in self.cur.fetchall():
-            for n, k in enumerate(order):
-                body = row[2 + 2 * n]
-                if body is not None and self.shard_of[row[1 + 2 * n]] == k:
-                    out.append(codec.decode(body))
-                    break
+        for _, which, bucket, body in self.cur.fetchall():
+            if which is not None and self.shard_of[bucket] == order[which]:
+                out.append(codec.decode(body))
         return out
 
 

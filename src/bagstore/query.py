@@ -352,19 +352,16 @@ class _Stream:
 
     def _keep_bodies(self, rows: list[tuple[Any, ...]]) -> list[tuple[bytes, ...]]:
         """Split joined rows: the index columns stay rows, the body of each row's
-        entity goes to ``bodies`` if a joined table holds the copy that the
-        placement names (a copy elsewhere, left by a move, is not that one)."""
+        entity goes to ``bodies`` if the joined copy is on the shard that the
+        placement names (a copy elsewhere, left by a move, is not that one; the
+        entity is then read by id)."""
         width = len(self.scan.order_columns)
-        bodies, owner = self.bodies, self.shard_of_bucket
-        # (position of a joined table's bucket column, that table's shard)
-        places = [(width + 2 * n, shard) for n, shard in enumerate(self.joined)]
+        bodies, owner, joined = self.bodies, self.shard_of_bucket, self.joined
         last = width - 1
         for row in rows:
-            for at, shard in places:
-                body = row[at + 1]
-                if body is not None and owner[row[at]] == shard:
-                    bodies[row[last]] = body
-                    break
+            which = row[width]
+            if which is not None and owner[row[width + 1]] == joined[which]:
+                bodies[row[last]] = row[width + 2]
         return [row[:width] for row in rows]
 
     def __iter__(self) -> Iterator[tuple[bytes, ...]]:

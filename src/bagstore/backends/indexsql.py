@@ -56,8 +56,10 @@ class Scan:
     limit: int = 100
     #: Read entity bodies in the same statement: the kind whose entity tables
     #: each row is LEFT JOINed with, and those tables' databases (None: the
-    #: scanned one).  Each row then ends with ``bucket, body`` per database
-    #: (NULLs where that database has no such entity), after the order columns.
+    #: scanned one).  Each row then ends, after the order columns, with
+    #: ``which, bucket, body`` of the first of those tables (in ``join`` order)
+    #: that holds the entity: its position, the copy's bucket, its body (three
+    #: NULLs if none does).
     join_kind: str | None = None
     join: tuple[str | None, ...] = ()
 
@@ -149,11 +151,21 @@ def _scan_text(
     joins = ""
     if join_kind is not None:
         name += " AS i"
-        for n, db in enumerate(join or (None,)):
+        tables = range(len(join or (None,)))
+        for n, db in zip(tables, join or (None,), strict=True):
             db = db if db is not None else schema
             entities = d.q(join_kind) if db is None else f"{d.q(db)}.{d.q(join_kind)}"
             joins += f" LEFT JOIN {entities} AS e{n} ON e{n}.id = i.{d.q(ENTITY_ID)}"
-            selected += (f"e{n}.bucket", f"e{n}.body")
+        # One copy per row, three columns, however many tables are joined (a
+        # driver in pure Python spends more on columns than the server does
+        # on these): bucket and body are NOT NULL, so both COALESCEs stop at
+        # the table that CASE names.
+        which = " ".join(f"WHEN e{n}.id IS NOT NULL THEN {n}" for n in tables)
+        buckets = ", ".join(f"e{n}.bucket" for n in tables)
+        bodies = ", ".join(f"e{n}.body" for n in tables)
+        if len(tables) > 1:  # (SQLite's COALESCE takes two or more)
+            buckets, bodies = f"COALESCE({buckets})", f"COALESCE({bodies})"
+        selected += (f"CASE {which} END", buckets, bodies)
     return (
         f"SELECT {first}{', '.join(selected)} FROM {name}{joins}"
         + (f" WHERE {' AND '.join(where)}" if where else "")
