@@ -749,11 +749,7 @@ class Datastore:
         for n, item in enumerate(items):
             backend = backend_of(item)
             key = backend.together if backend.union_reads else None
-            group = groups.setdefault(key if key is not None else ("alone", n), [])
-            if backend.max_together is not None and len(group) == backend.max_together:
-                groups[("full", n)] = group  # that statement is full: start another
-                group = groups[key] = []
-            group.append(item)
+            groups.setdefault(key if key is not None else ("alone", n), []).append(item)
         return list(groups.values())
 
     def fetch_streams(self, streams: list[_Stream]) -> None:
@@ -961,10 +957,11 @@ class Datastore:
     def _joinable(
         self, shard: int, alone: bool
     ) -> tuple[tuple[int, ...], tuple[str | None, ...], tuple[Backend, ...]]:
-        """The shards whose entity tables a scan of ``shard`` joins: ``shard``
-        (unless ``alone``) the shards its connection also reaches (the databases
-        of one server and login, SQLite files), with their ``schema`` names (None:
-        the scanned one) and backends (the others).  Kept until shards change."""
+        """The shards whose entity tables a scan of ``shard`` joins: ``shard``,
+        then (unless ``alone``) the shards its connection also reaches (the
+        databases of one server and login, SQLite files; as many as one
+        statement may name); their ``schema`` names (None: the scanned one);
+        and the backends of the others.  Kept until a shard is added."""
         backends = self._backends
         key = (shard, alone, len(backends))
         known = self._join_plans.get(key)

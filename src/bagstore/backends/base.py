@@ -267,7 +267,7 @@ class Backend(BucketOps, IndexOps):
         self.together: tuple[Any, ...] | None = None
         #: This shard's database name, qualifying its tables in such a statement.
         self.schema: str | None = None
-        #: At most this many shards in one such statement (None: no limit).
+        #: At most this many shards' tables in one such statement (None: no limit).
         self.max_together: int | None = None
         #: Whether reads of several such shards are worth one ``UNION ALL``
         #: (they save round trips to a server; an embedded database has none to
