@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -387,6 +388,35 @@ def test_status(run: Cli) -> None:
     ]  # fmt: skip
     human = run.ok("status").stdout
     assert "Shards" in human and "index_user_id" in human and "64 buckets" in human
+    from bagstore.backends.sqlite import has_wal_reset_bug
+
+    assert report["sqlite"] == {
+        "version": sqlite3.sqlite_version,
+        "wal_reset_bug": has_wal_reset_bug(),
+    }
+    assert ("has the WAL-reset bug" in human) == has_wal_reset_bug()
+
+
+@pytest.mark.parametrize(
+    ("version", "affected"),
+    [
+        ("3.6.23", False),  # before WAL
+        ("3.7.0", True),
+        ("3.40.1", True),
+        ("3.44.5", True),
+        ("3.44.6", False),  # patch releases with the fix
+        ("3.45.0", True),
+        ("3.50.7", False),
+        ("3.51.2", True),
+        ("3.51.3", False),
+        ("3.52.0", False),
+        ("4.0", False),
+    ],
+)
+def test_which_sqlite_versions_have_the_wal_reset_bug(version: str, affected: bool) -> None:
+    from bagstore.backends.sqlite import has_wal_reset_bug
+
+    assert has_wal_reset_bug(version) is affected
 
 
 def test_check_reports_missing_rows_and_exit_code(run: Cli) -> None:

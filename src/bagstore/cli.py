@@ -349,6 +349,13 @@ def status(ctx: click.Context, as_json: bool) -> None:
         out.print(_index_table(indexes))
     else:
         out.print("No indexes (add one with `bagstore index add`).")
+    sqlite = report.get("sqlite")
+    if sqlite and sqlite["wal_reset_bug"]:
+        out.print(
+            f"[yellow]SQLite {sqlite['version']} has the WAL-reset bug (fixed in 3.51.3): "
+            "rare corruption with several writing connections; see "
+            "docs/configuration.md.[/]"
+        )
 
 
 @cli.command(short_help="Store entities given as JSON.")

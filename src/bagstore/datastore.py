@@ -1082,8 +1082,10 @@ class Datastore:
         return sum(self._map(lambda b: b.count(self.kind), self._backends))
 
     def status(self) -> dict[str, Any]:
-        """Shards, buckets per shard and entity counts (one query per shard)."""
+        """Shards, buckets per shard and entity counts (one query per shard); for
+        SQLite files, the library's version and whether it has the WAL-reset bug."""
         counts = self._map(lambda b: b.count(self.kind), self._backends)
+        embedded = any(b.dialect.name == "sqlite" for b in self._backends)
         return {
             "kind": self.kind,
             "buckets": self._buckets,
@@ -1098,6 +1100,7 @@ class Datastore:
             ],
             "entities": sum(counts),
             **({"cache": self._cache.status()} if self._cache.cache is not None else {}),
+            **({"sqlite": _sqlite_library()} if embedded else {}),
         }
 
     # -- cache -----------------------------------------------------------------------
@@ -1148,6 +1151,16 @@ class Datastore:
 
     def __repr__(self) -> str:
         return f"<bagstore.Datastore kind={self.kind!r} shards={len(self._backends)}>"
+
+
+def _sqlite_library() -> dict[str, Any]:
+    """The SQLite library this process uses, and whether it has the WAL-reset
+    bug (see docs/configuration.md)."""
+    import sqlite3
+
+    from bagstore.backends.sqlite import has_wal_reset_bug
+
+    return {"version": sqlite3.sqlite_version, "wal_reset_bug": has_wal_reset_bug()}
 
 
 def _no_index(filters: Sequence[Any], order: str | None) -> NoIndexForQuery:

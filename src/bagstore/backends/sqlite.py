@@ -44,7 +44,7 @@ from bagstore.errors import (
     ShardUnavailable,
 )
 
-__all__ = ["SQLiteBackend", "SQLiteDialect"]
+__all__ = ["SQLiteBackend", "SQLiteDialect", "has_wal_reset_bug"]
 
 T = TypeVar("T")
 
@@ -56,6 +56,23 @@ _SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
 #: Files one reading connection attaches at most (SQLite's default limit).
 _MAX_ATTACHED = 10
+
+
+def has_wal_reset_bug(version: str = sqlite3.sqlite_version) -> bool:
+    """Whether this SQLite library (``sqlite3.sqlite_version`` by default) has
+    the WAL-reset bug (https://www.sqlite.org/wal.html#walresetbug): a rare
+    race between connections checkpointing and writing one file that can
+    corrupt it.  Versions 3.7.0 to 3.51.2 have it, except the 3.44.6 and
+    3.50.7 patch releases.
+
+    >>> has_wal_reset_bug("3.40.1"), has_wal_reset_bug("3.51.3"), has_wal_reset_bug("3.44.6")
+    (True, False, False)
+    """
+    parts = tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
+    v = parts + (0,) * (3 - len(parts))
+    if v >= (3, 51, 3) or v < (3, 7, 0):
+        return False
+    return not ((3, 44, 6) <= v < (3, 45, 0) or (3, 50, 7) <= v < (3, 51, 0))
 
 
 class SQLiteDialect(Dialect):
