@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -375,7 +375,7 @@ def open_env(
     indexes: Sequence[Any] = (),
     raw_ddl: Callable[[Any], list[str]] | None = None,
     driver: str = "pymysql",
-    extra_stores: dict[str, tuple[int, Sequence[Any], dict[str, Any]]] | None = None,
+    extra_stores: Mapping[str, tuple[int, Sequence[Any], dict[str, Any]]] | None = None,
 ) -> Iterator[Env]:
     """Open bagstore over ``shards`` fresh databases (SQLite files in a temp
     directory, or MariaDB databases) and one raw database with the tables
