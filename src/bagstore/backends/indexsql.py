@@ -404,12 +404,8 @@ def scan_index_together(parts: Sequence[tuple[IndexOps, Scan]]) -> list[list[tup
     for row in lead.read_together(d.union_all_sql(selects), params, reach):
         out[int(row[0])].append(row[1:])
     # SQL keeps no order across a UNION: put each part back in index order (the
-    # columns compare bytewise, as Python compares these tuples; a part's order
-    # columns are unique, so joined columns after them never decide).
+    # columns compare bytewise, as Python compares these tuples).  Scans read
+    # together are never joined (see Datastore.scan_streams).
     for rows, (_, scan) in zip(out, parts, strict=True):
-        if scan.join_kind is None:
-            rows.sort(reverse=scan.desc)
-        else:
-            width = len(scan.order_columns)
-            rows.sort(key=lambda r: r[:width], reverse=scan.desc)
+        rows.sort(reverse=scan.desc)
     return out
