@@ -327,23 +327,67 @@ def test_query_with_shard_on_reads_one_shard(ds: bagstore.Datastore) -> None:
     assert [b.scans for b in ds._backends] == [1, 1, 1, 1]
 
 
-def test_scatter_page_from_one_crowded_shard(topo: Topology) -> None:
-    """A scatter query reads a short first page from each shard; when one shard
-    holds most of the page, that shard alone is read again, and the page is
-    the same as a single shard's answer."""
+def test_scatter_over_one_connection_is_one_merged_scan(
+    topo: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards that one connection reaches (SQLite files, databases of one
+    MariaDB server) are scanned in one statement, merged and limited in SQL:
+    a page crowded onto one shard needs no second read."""
     hot = bagstore.Index(table="index_hot", properties=["published", "user_id"], shard_on="user_id")
-    ds = topo.open(indexes=[hot])
+    ds = topo.open(indexes=[hot], refresh_interval=3600)
     crowded = ds.put_many([{"user_id": b"hot", "published": i} for i in range(40)])
     ds.put_many([{"user_id": b"cold%d" % i, "published": 100 + i} for i in range(6)])
+    statements = _count_statements(ds, monkeypatch)
     for b in ds._backends:
         b.scans = 0
     page = hot.get_all(ds, published__gte=0, limit=25)
     assert ids_of(page) == crowded[:25] and page.cursor is not None
-    scans = [b.scans for b in ds._backends]
-    assert max(scans) == 2 and scans.count(2) == 1  # the crowded shard, read twice
+    assert [b.scans for b in ds._backends] == [1, 1, 1, 1]
+    # One statement: the scans and the bodies (joined) together.
+    assert len(statements) == 1 and statements[0].count("UNION ALL") == 3
     rest = hot.get_all(ds, published__gte=0, limit=25, cursor=page.cursor)
     assert [e["published"] for e in rest] == [*range(25, 40), *range(100, 106)]
     assert rest.cursor is None
+
+
+def test_scatter_page_from_one_crowded_server(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over several servers, each server's shards are one merged scan that
+    reads first twice its share of the page; when the page is crowded onto one
+    server, that one alone is read again, and the pages neither skip nor
+    repeat."""
+    from tests.conftest import _mysql_topology
+
+    main, second = request.getfixturevalue("mysql_main"), request.getfixturevalue("mysql_second")
+    topo = _mysql_topology("t31", [(main, 3), (second, 1)])
+    try:
+        hot = bagstore.Index(
+            table="index_hot", properties=["published", "user_id"], shard_on="user_id"
+        )
+        ds = topo.open(indexes=[hot], refresh_interval=3600)
+        shard_of = ds.placement.shard_of_bucket
+        # a user whose index rows live on the second server's one shard
+        user = next(
+            u
+            for u in (b"hot%d" % n for n in range(1000))
+            if shard_of[bucket_of(keys.encode_value(u), ds._buckets)] == 3
+        )
+        crowded = ds.put_many([{"user_id": user, "published": i} for i in range(40)])
+        ds.put_many([{"user_id": b"cold%d" % i, "published": 100 + i} for i in range(6)])
+        for b in ds._backends:
+            b.scans = 0
+        page = hot.get_all(ds, published__gte=0, limit=25)
+        assert ids_of(page) == crowded[:25] and page.cursor is not None
+        # the lone shard's first read (14 rows: twice a quarter of the page)
+        # fell short, so it alone was read again
+        assert [b.scans for b in ds._backends] == [1, 1, 1, 2]
+        rest = hot.get_all(ds, published__gte=0, limit=25, cursor=page.cursor)
+        assert [e["published"] for e in rest] == [*range(25, 40), *range(100, 106)]
+        assert rest.cursor is None
+        assert len(ids_of(page) + ids_of(rest)) == len(set(ids_of(page) + ids_of(rest))) == 46
+    finally:
+        topo.close()
 
 
 def test_ds_query_picks_the_best_index(ds: bagstore.Datastore) -> None:
@@ -447,10 +491,16 @@ def test_shards_sharing_a_server_are_read_in_one_statement(
     page = pub_idx.get_all(ds, published__gte=10, order="-published", limit=25)
     assert [e["published"] for e in page] == list(range(59, 34, -1))
     assert [b.scans for b in ds._backends] == [1, 1, 1, 1]  # every shard scanned once
-    # The scans of several shards (merged, each read past its share of the page)
-    # do not read bodies with their rows: those follow, one statement a group.
-    assert len(statements) == 2 * groups
-    assert not any("JOIN" in sql for sql in statements)
+    # The scans of one connection's shards are one statement, merged in SQL.
+    # When that is every shard, it reads the bodies too (joined); over two
+    # servers, each merged scan reads past its share of the page and half its
+    # rows' entities live on the other server: the bodies follow, one
+    # statement a server.
+    if topo3.name == "t2":
+        assert len(statements) == 4
+        assert not any("JOIN" in sql for sql in statements)
+    else:
+        assert len(statements) == 1 and "LEFT JOIN" in statements[0]
     rest = pub_idx.get_all(ds, published__gte=10, order="-published", cursor=page.cursor)
     assert [e["published"] for e in rest] == list(range(34, 9, -1))
 
@@ -527,6 +577,30 @@ def test_a_joined_body_is_taken_only_from_the_shard_the_placement_names(
     got = user_idx.get_all(ds, user_id=user)
     assert [e["name"] for e in got] == ["real"]
     assert ds.get(entity_id) == {"id": entity_id, "user_id": user, "name": "real"}
+
+
+def test_a_merged_scan_never_returns_a_stale_copy(topo3: Topology) -> None:
+    ds = topo3.open(indexes=[pub_idx], refresh_interval=3600)
+    shard_of = ds.placement.shard_of_bucket
+    while True:  # an entity that does not live on shard 0...
+        entity_id = ds.put({"published": 7, "name": "real"})
+        bucket = ds.bucket_of_id(entity_id)
+        assert bucket is not None
+        if shard_of[bucket] != 0:
+            break
+        ds.delete(entity_id)
+    # ...and a stale copy of it on shard 0, the first entity table a scan
+    # over every shard joins: the copy is found first, and not used.
+    b = ds._backends[0]
+    stale = codec.encode({"id": entity_id, "published": 7, "name": "stale"})
+    p = b.dialect.param
+    b.execute(
+        f"INSERT INTO entities (id, bucket, updated, version, body) VALUES ({p}, {p}, 1, 1, {p})",
+        (entity_id, bucket, stale),
+    )
+    assert [e["name"] for e in pub_idx.get_all(ds, published__gte=0)] == ["real"]
+    newest_first = pub_idx.get_all(ds, published__lt=9, order="-published")
+    assert [e["name"] for e in newest_first] == ["real"]
 
 
 def test_a_kind_placed_by_the_shard_on_value_joins_only_its_own_table(

@@ -29,7 +29,6 @@ from bagstore.backends import (
     open_backend,
 )
 from bagstore.backends.base import TOGETHER_MAX_IDS, read_bodies_together
-from bagstore.backends.indexsql import scan_index_together
 from bagstore.cache import open_layer
 from bagstore.cache import request as _request
 from bagstore.cache.request import _current as _current_request
@@ -53,6 +52,7 @@ from bagstore.query import (
     QueryResult,
     _Stream,
     execute,
+    merged_eq,
     parse_filters,
     plan_query,
     shard_scans,
@@ -141,9 +141,9 @@ class Datastore:
             else self._backends[0]
         )
         self._executor: ThreadPoolExecutor | None = None
-        # see _joinable: (shard, alone, shards) -> (shards, schemas, backends)
+        # see _joinable: (group, alone, shards) -> (shards, schemas, backends)
         self._join_plans: dict[
-            tuple[int, bool, int],
+            tuple[tuple[int, ...], bool, int],
             tuple[tuple[int, ...], tuple[str | None, ...], tuple[Backend, ...]],
         ] = {}
         self._max_workers = max_workers or min(32, 2 * len(self._backends))
@@ -753,23 +753,12 @@ class Datastore:
         return list(groups.values())
 
     def fetch_streams(self, streams: list[_Stream]) -> None:
-        """query.Source: the first page of every shard's scan, one statement per
-        group of shards that can be read together."""
-
-        def read(job: list[_Stream]) -> None:
-            if len(job) == 1:
-                job[0].fetch()
-                return
-            for s in job:
-                s.scan.limit = s.next
-            pages = scan_index_together([(s.backend, s.scan) for s in job])
-            for s, rows in zip(job, pages, strict=True):
-                s.accept(rows)
-
+        """query.Source: the first page of every stream (each stream's shards
+        share one connection: see scan_streams)."""
         if len(streams) == 1:
             streams[0].fetch()
         else:
-            self._map(read, self._together(streams, lambda s: s.backend))
+            self._map(_Stream.fetch, streams)
 
     def _delete_at(
         self,
@@ -924,29 +913,36 @@ class Datastore:
             plan, self._backends, self._shard_of_bucket, self._buckets, self._sole_shard
         )
         backends = self._backends
-        if len(scans) != 1 or not self._uncached():
-            # Several scans merge rows from every shard, and over-read each for
-            # that (see first_page): bodies read with them would mostly be of rows
-            # never taken.  With a cache level, the cache reads the entities.
-            return [_Stream(backends[i], scan, page) for i, scan in scans.items()]
-        # One scan and no cache level: the scan reads the bodies of its rows'
-        # entities in the same statement, from its own database and those its
-        # connection reaches (see _together), saving the second round trip.
+        groups = self._scan_groups(list(scans))
         # A kind placed by the index's shard_on value (hashed, as index rows are)
         # keeps each entity beside its index rows: joining the other databases
         # would only add lookups that find nothing (~10 us a row on MariaDB).
         placer = self._placer
         beside = placer.shard_key == plan.index.shard_on and placer.directory is None
+        # With no cache level, a stream reads the bodies of its rows' entities in
+        # its own statement (LEFT JOIN with the entity tables its connection
+        # reaches), saving a second round trip: when it is the only stream, or
+        # when the entities sit beside their index rows.  Streams of several
+        # servers each read past their share of the page (see first_page), and
+        # half or more of their rows' entities live on another server.
+        join = self._uncached() and (len(groups) == 1 or beside)
         streams = []
-        for i, scan in scans.items():
-            joined, schemas, reach = self._joinable(i, beside)
-            scan.join_kind = self.kind
-            scan.join = schemas
+        for group in groups:
+            scan = scans[group[0]]
+            if len(group) > 1:
+                scan.eq = merged_eq([scans[k].eq for k in group])
+                scan.parts = tuple(str(backends[k].schema) for k in group)
+            if join:
+                joined, schemas, reach = self._joinable(group, beside)
+                scan.join_kind, scan.join = self.kind, schemas
+            else:
+                joined, reach = (), tuple(backends[k] for k in group[1:])
             streams.append(
                 _Stream(
-                    backends[i],
+                    backends[group[0]],
                     scan,
                     page,
+                    shards=len(group),
                     joined=joined,
                     reach=reach,
                     shard_of_bucket=self._shard_of_bucket,
@@ -954,30 +950,48 @@ class Datastore:
             )
         return streams
 
+    def _scan_groups(self, shards: list[int]) -> list[tuple[int, ...]]:
+        """The shards to scan, grouped so that one statement reads each group's
+        index tables (databases of one server and login, SQLite files; as many
+        as one statement may name); the others alone, in order."""
+        groups: dict[Any, list[int]] = {}
+        for k in shards:
+            backend = self._backends[k]
+            key = backend.together
+            groups.setdefault(key if key is not None else ("alone", k), []).append(k)
+        out: list[tuple[int, ...]] = []
+        for group in groups.values():
+            size = self._backends[group[0]].max_together or len(group)
+            out += [tuple(group[n : n + size]) for n in range(0, len(group), size)]
+        return out
+
     def _joinable(
-        self, shard: int, alone: bool
+        self, group: tuple[int, ...], alone: bool
     ) -> tuple[tuple[int, ...], tuple[str | None, ...], tuple[Backend, ...]]:
-        """The shards whose entity tables a scan of ``shard`` joins: ``shard``,
-        then (unless ``alone``) the shards its connection also reaches (the
-        databases of one server and login, SQLite files; as many as one
-        statement may name); their ``schema`` names (None: the scanned one);
-        and the backends of the others.  Kept until a shard is added."""
+        """The shards whose entity tables a scan of ``group`` joins: ``group``
+        (its first shard is scanned on its own connection), then (unless
+        ``alone``) the other shards its connection reaches (the databases of one
+        server and login, SQLite files; as many as one statement may name);
+        their ``schema`` names (None: the first one); and the backends of all
+        but the first.  Kept until a shard is added."""
         backends = self._backends
-        key = (shard, alone, len(backends))
+        key = (group, alone, len(backends))
         known = self._join_plans.get(key)
         if known is not None:
             return known
-        together = backends[shard].together
-        others: list[int] = []
-        if not alone and together is not None:
-            others = [k for k, b in enumerate(backends) if k != shard and b.together == together]
-            limit = backends[shard].max_together
-            if limit is not None and len(others) >= limit:
-                others = others[: limit - 1]  # the rest are read by id afterwards
+        lead = backends[group[0]]
+        shards = list(group)
+        if not alone and lead.together is not None:
+            shards += [
+                k for k, b in enumerate(backends) if k not in group and b.together == lead.together
+            ]
+            limit = lead.max_together
+            if limit is not None:
+                shards = shards[: max(limit, len(group))]  # the rest are read by id afterwards
         plan = (
-            (shard, *others),
-            (None, *(backends[k].schema for k in others)),
-            tuple(backends[k] for k in others),
+            tuple(shards),
+            (None, *(backends[k].schema for k in shards[1:])),
+            tuple(backends[k] for k in shards[1:]),
         )
         self._join_plans[key] = plan
         return plan

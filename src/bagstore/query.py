@@ -308,11 +308,24 @@ def shard_scans(
     return out
 
 
+def merged_eq(eqs: Sequence[list[list[bytes]]]) -> list[list[bytes]]:
+    """The ``eq`` of one scan standing for the scans of several shards: the keys
+    each leading column may equal in any of them (they differ only in the
+    shard_on values each shard holds; a value finds no rows on a shard it is
+    not placed on, and a stale copy found there is re-checked as any row)."""
+    out = [list(keys_) for keys_ in eqs[0]]
+    for eq in eqs[1:]:
+        for have, more in zip(out, eq, strict=True):
+            have += [k for k in more if k not in have]
+    return out
+
+
 class _Stream:
-    """One shard's scan, fetched a page at a time from the keyset position.
+    """One scan, fetched a page at a time from the keyset position: of one
+    shard, or of several (``shards``) merged in one statement.
 
     ``next`` is the size of the next page to read: ``page``, except that the
-    first page of a scan over several shards can be smaller (see
+    first page of a query over several streams can be smaller (see
     :func:`first_page`)."""
 
     def __init__(
@@ -321,11 +334,12 @@ class _Stream:
         scan: Scan,
         page: int,
         *,
+        shards: int = 1,
         joined: tuple[int, ...] = (),
         reach: tuple[Backend, ...] = (),
         shard_of_bucket: Sequence[int] = (),
     ) -> None:
-        self.backend, self.scan, self.page = backend, scan, page
+        self.backend, self.scan, self.page, self.shards = backend, scan, page, shards
         self.next = page
         self.rows: list[tuple[bytes, ...]] = []
         self.done = False
@@ -389,20 +403,21 @@ class _Stream:
             self.fetch()
 
 
-def first_page(limit: int | None, shards: int, page: int) -> int:
-    """Rows to read first from each of ``shards`` scans for a page of ``limit``.
+def first_page(limit: int | None, shards: int, page: int, share: int = 1) -> int:
+    """Rows to read first, for a page of ``limit``, from a stream that scans
+    ``share`` of the ``shards`` a query reads.
 
-    The rows of one page are usually spread over the shards, so each is asked
-    for twice its even share (at least 10) rather than the whole page: with
-    rows spread evenly, a shard rarely holds more than that of a page's rows
-    (21 rows over 4 shards: 12 or more on one of them in under 1 query of
-    100), and then only that shard is read again, from where it stopped.  On
+    The rows of one page are usually spread over the shards, so each stream is
+    asked for twice its even share (at least 10) rather than the whole page:
+    with rows spread evenly, a shard rarely holds more than that of a page's
+    rows (21 rows over 4 shards: 12 or more on one of them in under 1 query of
+    100), and then only that stream is read again, from where it stopped.  On
     every other query, fewer rows cross the network and get parsed (a driver
     in pure Python spends more on 60 rows than the server does on the scans).
     """
-    if limit is None or shards <= 1:
+    if limit is None or share >= shards:
         return page
-    return min(page, max(10, 2 * -(-(limit + 1) // shards)))
+    return min(page, max(10, 2 * -(-(limit + 1) * share // shards)))
 
 
 def stale(plan: Plan, row: tuple[bytes, ...], entity: Mapping[str, Any]) -> bool:
@@ -446,14 +461,14 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
         raise InvalidQuery("cursor must be the string a previous result gave")
     page = min(max((limit or 500) + 1, 20), 1000)
     streams = source.scan_streams(plan, page)
-    first = first_page(limit, len(streams), page)
+    shards = sum(s.shards for s in streams)
     known: dict[bytes, bytes] = {}  # bodies read with the index rows (joined scans)
     for s in streams:
         s.scan.after = after
-        s.next = first
+        s.next = first_page(limit, shards, page, s.shards)
         s.bodies = known
     source.fetch_streams(streams)
-    # One shard's scan is in index order already; several are merged.
+    # One stream is in index order already; several are merged.
     if len(streams) == 1:
         take = streams[0].take
     else:

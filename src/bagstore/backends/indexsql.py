@@ -19,7 +19,7 @@ from bagstore.errors import DuplicateValue
 if TYPE_CHECKING:
     from bagstore.backends.base import Dialect
 
-__all__ = ["IndexOps", "IndexRow", "Scan", "scan_index_together"]
+__all__ = ["IndexOps", "IndexRow", "Scan"]
 
 ENTITY_ID = "entity_id"
 BUCKET = "bagstore_bucket"
@@ -62,18 +62,20 @@ class Scan:
     #: NULLs if none does).
     join_kind: str | None = None
     join: tuple[str | None, ...] = ()
+    #: Scan the index tables of these databases as one (shards that one
+    #: connection reaches): each part's own ordered, limited scan, merged in
+    #: index order and limited again, in one statement.
+    parts: tuple[str, ...] = ()
 
     @property
     def order_columns(self) -> tuple[str, ...]:
         return (*self.columns[len(self.eq) :], ENTITY_ID)
 
 
-def scan_sql(
-    d: Dialect, s: Scan, *, schema: str | None = None, tag: int | None = None
-) -> tuple[str, list[Any]]:
+def scan_sql(d: Dialect, s: Scan, *, schema: str | None = None) -> tuple[str, list[Any]]:
     """``SELECT <order columns> FROM t WHERE ... ORDER BY ... LIMIT n``; with
-    ``schema``, the table of that database; with ``tag``, the number ``tag`` as
-    a first column (to tell the parts of a UNION apart)."""
+    ``schema``, the table of that database (``s.parts``: of those databases,
+    merged)."""
     params: list[Any] = []
     for values in s.eq:
         params.extend(values)
@@ -89,6 +91,8 @@ def scan_sql(
         for value in after[:-1]:
             params += (value, value)
         params.append(after[-1])
+    if s.parts:
+        params *= len(s.parts)
     sql = _scan_text(
         d,
         s.table,
@@ -100,9 +104,9 @@ def scan_sql(
         s.desc,
         int(s.limit),
         schema,
-        None if tag is None else int(tag),
         s.join_kind,
         s.join,
+        s.parts,
     )
     return sql, params
 
@@ -119,57 +123,74 @@ def _scan_text(
     desc: bool,
     limit: int,
     schema: str | None,
-    tag: int | None,
     join_kind: str | None = None,
     join: tuple[str | None, ...] = (),
+    parts: tuple[str, ...] = (),
 ) -> str:
     """The text of :func:`scan_sql` for scans of one shape (built once)."""
-    # Joined, every column of the index table is named through its alias (a
-    # property may share a name with a column of the entity tables).
-    alias = "i." if join_kind is not None else ""
-
-    def col(name: str) -> str:
-        return alias + d.q(name)
-
-    where: list[str] = []
-    for name, count in zip(columns, eq_counts, strict=False):
-        if count == 1:
-            where.append(f"{col(name)} = {d.param}")
-        else:
-            where.append(f"{col(name)} IN ({d.params(count)})")
     order = (*columns[len(eq_counts) :], ENTITY_ID)
-    if lower is not None:
-        where.append(f"{col(order[0])} {'>=' if lower else '>'} {d.param}")
-    if upper is not None:
-        where.append(f"{col(order[0])} {'<=' if upper else '<'} {d.param}")
-    if after:
-        where.append(_keyset(d, tuple(col(c) for c in order), "<" if desc else ">"))
     direction = " DESC" if desc else ""
-    name = d.q(table) if schema is None else f"{d.q(schema)}.{d.q(table)}"
-    first = "" if tag is None else f"{tag} AS bagstore_part, "
-    selected = [col(c) for c in order]
+
+    def select(alias: str, source: str, extra: str = "", sorted_: bool = True) -> str:
+        """The scan of one index table (``source``), its columns named through
+        ``alias``; ``extra``: more columns after the order columns; ``sorted_``:
+        with its ORDER BY and LIMIT."""
+        where: list[str] = []
+        for name, count in zip(columns, eq_counts, strict=False):
+            if count == 1:
+                where.append(f"{alias}{d.q(name)} = {d.param}")
+            else:
+                where.append(f"{alias}{d.q(name)} IN ({d.params(count)})")
+        if lower is not None:
+            where.append(f"{alias}{d.q(order[0])} {'>=' if lower else '>'} {d.param}")
+        if upper is not None:
+            where.append(f"{alias}{d.q(order[0])} {'<=' if upper else '<'} {d.param}")
+        if after:
+            where.append(_keyset(d, tuple(alias + d.q(c) for c in order), "<" if desc else ">"))
+        sql = f"SELECT {', '.join(alias + d.q(c) for c in order)}{extra} FROM {source}" + (
+            f" WHERE {' AND '.join(where)}" if where else ""
+        )
+        if not sorted_:
+            return sql
+        by = ", ".join(alias + d.q(c) + direction for c in order)
+        return f"{sql} ORDER BY {by} LIMIT {limit}"
+
+    def in_db(db: str | None, name: str) -> str:
+        return d.q(name) if db is None else f"{d.q(db)}.{d.q(name)}"
+
+    # Parts: each database's scan, then the whole in index order.
+    merged = ""
+    if parts:
+        each = d.limit_union_parts
+        merged = d.sorted_union_sql([select("", in_db(db, table), "", each) for db in parts]) + (
+            f" ORDER BY {', '.join(d.q(c) + direction for c in order)} LIMIT {limit}"
+        )
+    if join_kind is None:
+        return merged or select("", in_db(schema, table))
+    # Joined, every column of the index rows is named through the alias ``i``
+    # (a property may share a name with a column of the entity tables).
+    tables = range(len(join or (None,)))
     joins = ""
-    if join_kind is not None:
-        name += " AS i"
-        tables = range(len(join or (None,)))
-        for n, db in zip(tables, join or (None,), strict=True):
-            db = db if db is not None else schema
-            entities = d.q(join_kind) if db is None else f"{d.q(db)}.{d.q(join_kind)}"
-            joins += f" LEFT JOIN {entities} AS e{n} ON e{n}.id = i.{d.q(ENTITY_ID)}"
-        # One copy per row, three columns, however many tables are joined (a
-        # driver in pure Python spends more on columns than the server does
-        # on these): bucket and body are NOT NULL, so both COALESCEs stop at
-        # the table that CASE names.
-        which = " ".join(f"WHEN e{n}.id IS NOT NULL THEN {n}" for n in tables)
-        buckets = ", ".join(f"e{n}.bucket" for n in tables)
-        bodies = ", ".join(f"e{n}.body" for n in tables)
-        if len(tables) > 1:  # (SQLite's COALESCE takes two or more)
-            buckets, bodies = f"COALESCE({buckets})", f"COALESCE({bodies})"
-        selected += (f"CASE {which} END", buckets, bodies)
+    for n, db in zip(tables, join or (None,), strict=True):
+        entities = in_db(db if db is not None else schema, join_kind)
+        joins += f" LEFT JOIN {entities} AS e{n} ON e{n}.id = i.{d.q(ENTITY_ID)}"
+    # One copy per row, three columns, however many tables are joined (a
+    # driver in pure Python spends more on columns than the server does on
+    # these): bucket and body are NOT NULL, so both COALESCEs stop at the
+    # table that CASE names.
+    which = " ".join(f"WHEN e{n}.id IS NOT NULL THEN {n}" for n in tables)
+    buckets = ", ".join(f"e{n}.bucket" for n in tables)
+    bodies = ", ".join(f"e{n}.body" for n in tables)
+    if len(tables) > 1:  # (SQLite's COALESCE takes two or more)
+        buckets, bodies = f"COALESCE({buckets})", f"COALESCE({bodies})"
+    extra = f", CASE {which} END, {buckets}, {bodies}"
+    if not merged:
+        return select("i.", f"{in_db(schema, table)} AS i{joins}", extra)
+    # The merged rows (a page at most) joined, then put back in index order.
+    cols = ", ".join(f"i.{d.q(c)}" for c in order)
     return (
-        f"SELECT {first}{', '.join(selected)} FROM {name}{joins}"
-        + (f" WHERE {' AND '.join(where)}" if where else "")
-        + f" ORDER BY {', '.join(col(c) + direction for c in order)} LIMIT {limit}"
+        f"SELECT {cols}{extra} FROM ({merged}) AS i{joins}"
+        f" ORDER BY {', '.join(f'i.{d.q(c)}{direction}' for c in order)}"
     )
 
 
@@ -300,8 +321,11 @@ class IndexOps:
 
     def scan_index(self, scan: Scan, reach: Sequence[Any] = ()) -> list[tuple[bytes, ...]]:
         """One page of ``scan`` (tuples of bytes, as every driver gives them);
-        ``reach``: the other shards whose entity tables ``scan.join`` names."""
+        ``reach``: the other shards whose tables ``scan.parts`` and
+        ``scan.join`` name (those of the parts first)."""
         self.scans += 1
+        for other in reach[: max(0, len(scan.parts) - 1)]:
+            other.scans += 1
         if not reach:
             sql, params = scan_sql(self.dialect, scan)
             return self.fetchall(sql, params)
@@ -384,28 +408,3 @@ class IndexOps:
                 IndexRow(tuple(bytes(v) for v in r[:n]), bytes(r[n]), int(r[n + 1])) for r in rows
             ]
         return out
-
-
-def scan_index_together(parts: Sequence[tuple[IndexOps, Scan]]) -> list[list[tuple[bytes, ...]]]:
-    """The scans of several shards with one ``together`` key, in one statement
-    on the first one's connection: each part in parentheses with its own ORDER
-    BY and LIMIT, tagged so that its rows go back to its scan."""
-    lead = parts[0][0]
-    d = lead.dialect
-    selects: list[str] = []
-    params: list[Any] = []
-    for tag, (backend, scan) in enumerate(parts):
-        backend.scans += 1
-        sql, p = scan_sql(d, scan, schema=backend.schema, tag=tag)
-        selects.append(sql)
-        params.extend(p)
-    out: list[list[tuple[bytes, ...]]] = [[] for _ in parts]
-    reach = [backend for backend, _ in parts]
-    for row in lead.read_together(d.union_all_sql(selects), params, reach):
-        out[int(row[0])].append(row[1:])
-    # SQL keeps no order across a UNION: put each part back in index order (the
-    # columns compare bytewise, as Python compares these tuples).  Scans read
-    # together are never joined (see Datastore.scan_streams).
-    for rows, (_, scan) in zip(out, parts, strict=True):
-        rows.sort(reverse=scan.desc)
-    return out
