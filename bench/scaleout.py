@@ -25,9 +25,11 @@ entities and 10% new ones, ``--updates``, so that the store grows little while
 moves run at a few hundred entities a second), routed by
 its own, soon stale, placement (it learns of moves by being refused, or every
 ``refresh_interval``); each write's latency is recorded.  The writer's first
-``--settle`` seconds are not counted (the previous bulk work settles; SQLite's
-WAL files are checkpointed first), the next ``--before`` seconds give the
-"before" figures.
+``--settle`` seconds are not counted (the previous bulk work settles; before
+the writer starts, SQLite's WAL files are checkpointed, and on MariaDB the
+round waits until InnoDB's checkpoint age is at most 10% of its maximum, at
+most 120 s: the load and the previous round's raw copies fill its redo log),
+the next ``--before`` seconds give the "before" figures.
 
 Baseline, the floor a move's copy has to be compared with: the same rows (the
 entities and index rows of the buckets that round moves) copied with plain SQL
@@ -291,19 +293,51 @@ def counts(side: Side) -> tuple[int, int]:
     return ds.count(), rows
 
 
+#: MariaDB: the "before" window starts once InnoDB's checkpoint age (redo
+#: written since the last checkpoint) is at most this share of its maximum.
+SETTLED_AGE = 0.1
+SETTLE_LIMIT = 120.0  # seconds, at most
+
+
 def settle(side: Side) -> None:
     """Let the last bulk work (the load, the previous round's raw copies) finish
-    before the writer's "before" window: on SQLite, checkpoint every file's WAL
-    (else the writer's first commits pay for copying the bulk pages back)."""
-    if side.backend != "sqlite":
-        return  # MariaDB flushes in the background: the writer's --settle seconds
-    for path in [*side.shard_dbs, side.raw_name]:
-        if os.path.exists(path):
-            conn = sqlite3.connect(path, isolation_level=None)
-            try:
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            finally:
-                conn.close()
+    before the writer's "before" window.  SQLite: checkpoint every file's WAL
+    (else the writer's first commits pay for copying the bulk pages back).
+    MariaDB: wait until InnoDB has flushed what that work left (a bulk load
+    fills its redo log, and then writes wait on the page flushing it forces,
+    before a move and during one alike)."""
+    if side.backend == "sqlite":
+        for path in [*side.shard_dbs, side.raw_name]:
+            if os.path.exists(path):
+                conn = sqlite3.connect(path, isolation_level=None)
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                finally:
+                    conn.close()
+        return
+    t0 = time.monotonic()
+    while True:
+        age, most = _checkpoint_age(side)
+        if not most or age <= SETTLED_AGE * most:
+            break
+        if time.monotonic() - t0 > SETTLE_LIMIT:
+            behind = f"{age / most:.0%} of its redo log"
+            log(f"  [{side.backend}] InnoDB still {behind} behind after {SETTLE_LIMIT:.0f} s")
+            return
+        time.sleep(0.5)
+    if time.monotonic() - t0 > 1:
+        log(f"  [{side.backend}] waited {time.monotonic() - t0:.0f} s for InnoDB to flush")
+
+
+def _checkpoint_age(side: Side) -> tuple[int, int]:
+    """MariaDB's Innodb_checkpoint_age and _max_age (0, 0 where not reported)."""
+    cur = side.raw.cursor()
+    try:
+        cur.execute("SHOW GLOBAL STATUS LIKE 'Innodb_checkpoint%age'")
+        found = {str(k).lower(): int(v) for k, v in cur.fetchall()}
+    finally:
+        cur.close()
+    return found.get("innodb_checkpoint_age", 0), found.get("innodb_checkpoint_max_age", 0)
 
 
 def one_round(
