@@ -617,6 +617,29 @@ def test_a_kind_placed_by_the_shard_on_value_joins_only_its_own_table(
     assert statements[0].count("LEFT JOIN") == 1
 
 
+def test_a_scatter_over_a_kind_kept_beside_its_index_rows_joins_per_connection(
+    topo3: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    by_user = bagstore.Index(
+        table="index_by_user", properties=["user_id", "published"], shard_on="user_id"
+    )
+    ds = topo3.open(indexes=[by_user], shard_key="user_id", refresh_interval=3600)
+    for u in range(12):
+        ds.put_many([{"user_id": b"u%d" % u, "published": u * 100 + i} for i in range(5)])
+    statements = _count_statements(ds, monkeypatch)
+    users = [b"u%d" % u for u in range(12)]
+    page = by_user.get_all(ds, user_id__in=users, limit=30)
+    # Each connection's shards are one statement that reads the bodies too
+    # (every entity sits beside its index rows): one statement per server.
+    assert len(statements) == {"sqlite": 1, "t": 1, "t2": 2}[topo3.name], statements
+    assert all("LEFT JOIN" in sql for sql in statements)
+    everything = by_user.get_all(ds, user_id__in=users)
+    # (__in on user_id: the rows come in the order of the next column)
+    want = [u * 100 + i for u in range(12) for i in range(5)]
+    assert [e["published"] for e in everything] == want
+    assert ids_of(page) == ids_of(everything)[:30]
+
+
 def test_sqlite_reads_more_files_than_one_connection_attaches(tmp_path: Any) -> None:
     # 12 files: one reading connection attaches at most 10, so a lookup's scan
     # joins 10 files' entity tables and reads the other bodies by id.
