@@ -644,13 +644,21 @@ def test_sqlite_reads_more_files_than_one_connection_attaches(tmp_path: Any) -> 
     # 12 files: one reading connection attaches at most 10, so a lookup's scan
     # joins 10 files' entity tables and reads the other bodies by id.
     urls = [f"sqlite:///{tmp_path}/shard_{i}.db" for i in range(12)]
-    ds = bagstore.Datastore(urls, indexes=[user_idx])
+    ds = bagstore.Datastore(urls, indexes=[user_idx, pub_idx])
     other = bagstore.Datastore(
         [f"sqlite:///{tmp_path}/other_{i}.db" for i in range(4)], indexes=[user_idx]
     )
     try:
         user = b"x" * 16
-        ids = ds.put_many([{"user_id": user, "n": i} for i in range(120)])
+        ids = ds.put_many([{"user_id": user, "n": i, "published": i} for i in range(120)])
+        # A scatter: the files in two merged scans (10 and 2), merged again.
+        for b in ds._backends:
+            b.scans = 0
+        page = pub_idx.get_all(ds, published__gte=7, limit=30)
+        assert [e["n"] for e in page] == list(range(7, 37))
+        scans = [b.scans for b in ds._backends]  # every file (twice if crowded)
+        assert min(scans) == 1 and max(scans) <= 2, scans
+        assert [e["n"] for e in all_pages(pub_idx, ds, 25, published__lt=100)] == list(range(100))
         other_ids = other.put_many([{"user_id": user, "n": i} for i in range(8)])
         assert len({ds.placement.shard_of_bucket[ds.bucket_of_id(i) or 0] for i in ids}) == 12
         for _ in range(2):  # the same thread's connection, attaching and detaching
