@@ -741,14 +741,17 @@ class Datastore:
         return rows
 
     @staticmethod
-    def _together(items: Sequence[T], backend_of: Callable[[T], Backend]) -> list[list[T]]:
-        """Items (shard numbers, scans) grouped so that each group's shards can be
-        read in one statement (databases of one server reached with one login);
-        the others alone, in order."""
+    def _together(
+        items: Sequence[T], backend_of: Callable[[T], Backend], *, scans: bool = False
+    ) -> list[list[T]]:
+        """Items (shard numbers) grouped so that each group's shards can be read
+        in one statement (databases of one server reached with one login; with
+        ``scans``, also SQLite files, whose other reads gain nothing from it:
+        see ``Backend.union_reads``); the others alone, in order."""
         groups: dict[Any, list[T]] = {}
         for n, item in enumerate(items):
             backend = backend_of(item)
-            key = backend.together if backend.union_reads else None
+            key = backend.together if scans or backend.union_reads else None
             groups.setdefault(key if key is not None else ("alone", n), []).append(item)
         return list(groups.values())
 
@@ -952,15 +955,10 @@ class Datastore:
 
     def _scan_groups(self, shards: list[int]) -> list[tuple[int, ...]]:
         """The shards to scan, grouped so that one statement reads each group's
-        index tables (databases of one server and login, SQLite files; as many
-        as one statement may name); the others alone, in order."""
-        groups: dict[Any, list[int]] = {}
-        for k in shards:
-            backend = self._backends[k]
-            key = backend.together
-            groups.setdefault(key if key is not None else ("alone", k), []).append(k)
+        index tables (see ``_together``), at most as many as one statement may
+        name."""
         out: list[tuple[int, ...]] = []
-        for group in groups.values():
+        for group in self._together(shards, self._backends.__getitem__, scans=True):
             size = self._backends[group[0]].max_together or len(group)
             out += [tuple(group[n : n + size]) for n in range(0, len(group), size)]
         return out
@@ -985,9 +983,8 @@ class Datastore:
             shards += [
                 k for k, b in enumerate(backends) if k not in group and b.together == lead.together
             ]
-            limit = lead.max_together
-            if limit is not None:
-                shards = shards[: max(limit, len(group))]  # the rest are read by id afterwards
+            # (a group is never longer than max_together: see _scan_groups)
+            shards = shards[: lead.max_together]  # the rest are read by id afterwards
         plan = (
             tuple(shards),
             (None, *(backends[k].schema for k in shards[1:])),

@@ -347,7 +347,9 @@ class _Stream:
         # joined table, and where the bodies read with the rows go (id -> body,
         # only copies that the placement puts on the shard they were read from).
         self.joined, self.shard_of_bucket = joined, shard_of_bucket
-        self.reach = reach  # the shards of joined[1:]
+        # The other shards whose tables the statement names: those of a merged
+        # scan's parts first, then those only joined.
+        self.reach = reach
         self.bodies: dict[bytes, bytes] = {}
 
     def fetch(self) -> None:
