@@ -285,39 +285,54 @@ class SQLiteBackend(Backend):
                     self._all.append(conn)
                 local.conn, local.attached = conn, {}
             attached: dict[str, str] = local.attached
-            wanted: dict[str, str] = {}
             for b in reach:
-                if not isinstance(b, SQLiteBackend) or b.schema is None:
-                    raise ConfigurationError(f"{b.name} cannot be read together with {self.name}")
-                wanted[b.schema] = b.path
-            # (A name is derived from its file's path: attached means this file.)
-            missing = [name for name in wanted if name not in attached]
-            if missing:
-                for name in [n for n in attached if n not in wanted]:
-                    if len(attached) + len(missing) <= _MAX_ATTACHED:
-                        break
-                    conn.execute(f"DETACH DATABASE {self.dialect.q(name)}")
-                    del attached[name]
-                for name in missing:
-                    # mode=rw: a missing file is an error, not a new empty database
-                    uri = f"file:{urllib.parse.quote(os.path.abspath(wanted[name]))}?mode=rw"
-                    conn.execute(f"ATTACH DATABASE ? AS {self.dialect.q(name)}", (uri,))
-                    attached[name] = wanted[name]
+                if b.schema not in attached:
+                    self._attach(conn, attached, reach)
+                    break
+            try:
+                return conn.execute(sql, params).fetchall()
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc):
+                    raise
             deadline = time.monotonic() + self._busy_timeout
             wait = _BUSY_FIRST_WAIT
             while True:
+                time.sleep(wait)
+                wait = min(2 * wait, _BUSY_MAX_WAIT)
                 try:
                     return conn.execute(sql, params).fetchall()
                 except sqlite3.OperationalError as exc:
                     if not _is_busy(exc) or time.monotonic() >= deadline:
                         raise
-                time.sleep(wait)
-                wait = min(2 * wait, _BUSY_MAX_WAIT)
         except sqlite3.Error as exc:
             if conn is not None and isinstance(self.translated(exc), ShardUnavailable):
                 local.conn = None
                 self._close(conn)
             raise self.translated(exc) from exc
+
+    def _attach(
+        self, conn: sqlite3.Connection, attached: dict[str, str], reach: Sequence[Backend]
+    ) -> None:
+        """Attach the files of ``reach`` that ``conn`` lacks (``attached``: name
+        -> path of those it holds), detaching others when it would hold too
+        many."""
+        wanted: dict[str, str] = {}
+        for b in reach:
+            if not isinstance(b, SQLiteBackend) or b.schema is None:
+                raise ConfigurationError(f"{b.name} cannot be read together with {self.name}")
+            wanted[b.schema] = b.path
+        # (A name is derived from its file's path: attached means this file.)
+        missing = [name for name in wanted if name not in attached]
+        for name in [n for n in attached if n not in wanted]:
+            if len(attached) + len(missing) <= _MAX_ATTACHED:
+                break
+            conn.execute(f"DETACH DATABASE {self.dialect.q(name)}")
+            del attached[name]
+        for name in missing:
+            # mode=rw: a missing file is an error, not a new empty database
+            uri = f"file:{urllib.parse.quote(os.path.abspath(wanted[name]))}?mode=rw"
+            conn.execute(f"ATTACH DATABASE ? AS {self.dialect.q(name)}", (uri,))
+            attached[name] = wanted[name]
 
     def after_bulk_step(self) -> None:
         """Checkpoint the WAL (PASSIVE: it neither waits for nor blocks anyone).
