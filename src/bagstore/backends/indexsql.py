@@ -169,11 +169,22 @@ def _scan_text(
         return merged or select("", in_db(schema, table))
     # Joined, every column of the index rows is named through the alias ``i``
     # (a property may share a name with a column of the entity tables).
+    # Each table is looked in only while the tables before it have found no
+    # copy: a NULL key matches nothing, and both SQLite and MariaDB skip the
+    # lookup of a NULL key (a row's entity is in one table; the other lookups
+    # found nothing at ~0.4 us each on SQLite, 60 of them for 20 rows over 4
+    # files).  The columns below take the first copy found in any case.
     tables = range(len(join or (None,)))
     joins = ""
+    entity_id = f"i.{d.q(ENTITY_ID)}"
     for n, db in zip(tables, join or (None,), strict=True):
         entities = in_db(db if db is not None else schema, join_kind)
-        joins += f" LEFT JOIN {entities} AS e{n} ON e{n}.id = i.{d.q(ENTITY_ID)}"
+        key = entity_id
+        if n:
+            found = ", ".join(f"e{m}.id" for m in range(n))
+            found = f"COALESCE({found})" if n > 1 else found
+            key = f"CASE WHEN {found} IS NULL THEN {entity_id} END"
+        joins += f" LEFT JOIN {entities} AS e{n} ON e{n}.id = {key}"
     # One copy per row, three columns, however many tables are joined (a
     # driver in pure Python spends more on columns than the server does on
     # these): bucket and body are NOT NULL, so both COALESCEs stop at the
