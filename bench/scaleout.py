@@ -45,6 +45,12 @@ The baseline runs without the writer: it is the floor, not a competitor.
 After each round: every entity is there once (``ds.count()`` = loaded + the
 writer's new entities), and the index holds one row per entity.
 
+A third process watches the machine while each round runs (every 20 ms: how
+late it wakes from a sleep, doing no IO itself; Linux's IO pressure, the time
+every task was stalled on IO at once; iowait and steal ticks).  Each write
+slower than 250 ms gets a log line saying what the machine did meanwhile: a
+stall that every process shares is the machine's, not the store's.
+
 Goals (the issue): no write stalled over 1 s; writer p99 during <= 2x before.
 """
 
@@ -52,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import os
 import signal
 import sqlite3
@@ -356,6 +363,7 @@ def one_round(
         update_share=args.updates,
     )
     settle(side)
+    watch = Watch()
     with writer(spec) as w, _deleting() as deletes:
         time.sleep(args.settle + args.before)  # the first seconds are not counted
         t0 = time.monotonic()
@@ -379,6 +387,7 @@ def one_round(
         t1 = time.monotonic()
         time.sleep(0.5)
         writes = w.stop()
+    samples = watch.stop()
     placement = ds.refresh_placement(force=True)
     if i == 0:
         moved = [b for b, s in enumerate(placement.shard_of_bucket) if s != home[b]]
@@ -414,6 +423,9 @@ def one_round(
         f"{r.during.n}, slowest {max(hit, default=0.0) * 1e3:.0f} ms; the others' p99 "
         f"{rest.p99 * 1e3:.1f} ms"
     )
+
+    for line in explain_slow(writes.starts, writes.latencies, samples, t0):
+        log(f"    {line}")
 
     def deleting_at(t: float) -> bool:
         return any(a <= t < b for a, b in deletes)
@@ -453,6 +465,98 @@ def _deleting() -> Iterator[list[tuple[float, float]]]:
         yield spans
     finally:
         Mover._finish = original  # type: ignore[method-assign]
+
+
+# -- what the whole machine did during a slow write ---------------------------------------
+WATCH_EVERY = 0.02  # seconds between samples
+SLOW_WRITE = 0.25  # a write this slow is explained in the log
+
+
+def _machine_counters() -> tuple[int, int, int]:
+    """``(io_full_us, iowait_ticks, steal_ticks)``: the time every task of the
+    machine was stalled on IO at once (Linux PSI, ``/proc/pressure/io``
+    "full"; -1 where the kernel has no PSI), and the CPUs' iowait and steal
+    ticks (``/proc/stat``)."""
+    io_full = -1
+    try:
+        with open("/proc/pressure/io") as f:
+            for line in f:
+                if line.startswith("full"):
+                    io_full = int(line.rsplit("total=", 1)[1])
+    except OSError:
+        pass
+    with open("/proc/stat") as f:
+        cpu = f.readline().split()
+    return io_full, int(cpu[5]), int(cpu[8])
+
+
+def watch_main(pipe: Any, stop: Any) -> None:
+    """Sample every WATCH_EVERY seconds until ``stop``: the time, how late this
+    process woke (it does no IO: late means the machine ran nothing), and
+    :func:`_machine_counters`; send the samples back."""
+    samples: list[tuple[float, float, int, int, int]] = []
+    clock = time.monotonic
+    try:
+        while not stop.is_set():
+            t = clock()
+            time.sleep(WATCH_EVERY)
+            now = clock()
+            samples.append((now, now - t - WATCH_EVERY, *_machine_counters()))
+    finally:
+        pipe.send(samples)
+        pipe.close()
+
+
+class Watch:
+    """A :func:`watch_main` process; ``stop()`` returns its samples."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=watch_main, args=(send, self._stop), daemon=True)
+        self.proc.start()
+        send.close()
+
+    def stop(self) -> list[tuple[float, float, int, int, int]]:
+        self._stop.set()
+        samples: list[tuple[float, float, int, int, int]] = (
+            self._recv.recv() if self._recv.poll(30) else []
+        )
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.terminate()
+        return samples
+
+
+def explain_slow(
+    starts: Sequence[float],
+    latencies: Sequence[float],
+    samples: Sequence[tuple[float, float, int, int, int]],
+    t0: float,
+) -> list[str]:
+    """One line per write slower than SLOW_WRITE: what the machine did while it
+    ran (from the samples that cover it)."""
+    lines = []
+    for start, lat in zip(starts, latencies, strict=True):
+        if lat < SLOW_WRITE:
+            continue
+        end = start + lat
+        inside = [s for s in samples if start <= s[0] <= end + WATCH_EVERY]
+        first = max((s for s in samples if s[0] < start), default=None, key=lambda s: s[0])
+        if not inside or first is None:
+            lines.append(f"slow write at {start - t0:+.1f} s: {lat * 1e3:,.0f} ms (no samples)")
+            continue
+        last = inside[-1]
+        late = max(s[1] for s in inside)
+        io_full = "n/a" if first[2] < 0 else f"{(last[2] - first[2]) / 1e3:,.0f} ms"
+        lines.append(
+            f"slow write at {start - t0:+.1f} s of the move: {lat * 1e3:,.0f} ms; meanwhile "
+            f"an idle process woke up to {late * 1e3:,.0f} ms late, every task was stalled "
+            f"on IO for {io_full} (PSI full), iowait {last[3] - first[3]} and steal "
+            f"{last[4] - first[4]} CPU ticks"
+        )
+    return lines
 
 
 def _by(buckets: Sequence[int], key: Callable[[int], int]) -> dict[int, list[int]]:
