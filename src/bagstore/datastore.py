@@ -957,6 +957,8 @@ class Datastore:
         """The shards to scan, grouped so that one statement reads each group's
         index tables (see ``_together``), at most as many as one statement may
         name."""
+        if len(shards) == 1:  # a query that gives its shard_on value
+            return [(shards[0],)]
         out: list[tuple[int, ...]] = []
         for group in self._together(shards, self._backends.__getitem__, scans=True):
             size = self._backends[group[0]].max_together or len(group)
@@ -993,25 +995,10 @@ class Datastore:
         self._join_plans[key] = plan
         return plan
 
-    def fetch_for_query(
-        self, ids: Sequence[bytes], known: Mapping[bytes, bytes]
-    ) -> dict[bytes, dict[str, Any]]:
+    def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
         if self._uncached():
             decode = codec.decode
-            if not known:
-                return {r[0]: decode(r[1]) for r in self._read_rows(ids, stamps=False)}
-            out: dict[bytes, dict[str, Any]] = {}
-            missing = []
-            for entity_id in ids:
-                body = known.get(entity_id)
-                if body is None:
-                    missing.append(entity_id)
-                elif entity_id not in out:
-                    out[entity_id] = decode(body)
-            if missing:
-                for r in self._read_rows(missing, stamps=False):
-                    out[r[0]] = decode(r[1])
-            return out
+            return {r[0]: decode(r[1]) for r in self._read_rows(ids, stamps=False)}
         return self._cache.decoded(list(dict.fromkeys(ids)), self._fetch_many)
 
     # -- scale-out -----------------------------------------------------------------

@@ -20,12 +20,12 @@ import binascii
 import heapq
 import itertools
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any, Protocol
 
-from bagstore import keys
+from bagstore import codec, keys
 from bagstore.backends.indexsql import Scan
 from bagstore.errors import InvalidQuery
 from bagstore.sharding.hashing import bucket_of
@@ -89,6 +89,20 @@ class Filter:
                 return bool(v >= w)
             return bool(v < w) if op == "lt" else bool(v <= w)
         return self._matches_keys(v)
+
+    def matcher(self) -> Callable[[Mapping[str, Any]], bool]:
+        """:meth:`matches` as a function, without its attribute look-ups when
+        the filter is equality (or ``__in``) on values of one plain type: the
+        re-check of every entity a query reads."""
+        if self.plain is None or self.op not in ("eq", "in"):
+            return self.matches
+        prop, plain, values, by_keys = self.prop, self.plain, self.values, self._matches_keys
+
+        def matches(entity: Mapping[str, Any]) -> bool:
+            v = entity.get(prop)
+            return v in values if type(v) is plain else by_keys(v)
+
+        return matches
 
     def _matches_keys(self, v: object) -> bool:
         op = self.op
@@ -371,13 +385,13 @@ class _Stream:
         entity goes to ``bodies`` if the joined copy is on the shard that the
         placement names (a copy elsewhere, left by a move, is not that one; the
         entity is then read by id)."""
-        width = len(self.scan.order_columns)
+        width = len(self.scan.columns) - len(self.scan.eq) + 1  # the order columns
         bodies, owner, joined = self.bodies, self.shard_of_bucket, self.joined
-        last = width - 1
+        last, at_bucket, at_body = width - 1, width + 1, width + 2
         for row in rows:
             which = row[width]
-            if which is not None and owner[row[width + 1]] == joined[which]:
-                bodies[row[last]] = row[width + 2]
+            if which is not None and owner[row[at_bucket]] == joined[which]:
+                bodies[row[last]] = row[at_body]
         return [row[:width] for row in rows]
 
     def __iter__(self) -> Iterator[tuple[bytes, ...]]:
@@ -444,11 +458,10 @@ class Source(Protocol):
 
     def fetch_streams(self, streams: list[_Stream]) -> None: ...
 
-    def fetch_for_query(
-        self, ids: Sequence[bytes], known: Mapping[bytes, bytes]
-    ) -> dict[bytes, dict[str, Any]]:
-        """``{id: entity}`` of the ids (which may repeat) that exist; ``known``:
-        encoded bodies the scans read already."""
+    def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
+        """``{id: entity}`` of the ids (which may repeat) that exist, read by id
+        (the bodies that joined scans read with their rows are decoded by
+        :func:`execute` itself)."""
         ...
 
 
@@ -481,13 +494,14 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
 
     filters = plan.filters
     if len(filters) == 1:  # the usual query: no generator per row
-        matches = filters[0].matches
+        matches = filters[0].matcher()
     else:
 
         def matches(entity: Mapping[str, Any]) -> bool:
             return all(f.matches(entity) for f in filters)
 
     check_rows = bool(plan.order_props)
+    decode = codec.decode
     results: list[dict[str, Any]] = []
     seen: set[bytes] = set()
     last: tuple[bytes, ...] | None = None
@@ -497,16 +511,17 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
     while len(results) < want and not exhausted:
         rows = take(batch)
         exhausted = len(rows) < batch
-        entities = source.fetch_for_query([r[-1] for r in rows], known)
+        # Bodies read with the index rows (joined scans) are decoded below; the
+        # other rows' entities are read by id.
+        missing = [r[-1] for r in rows if r[-1] not in known] if known else [r[-1] for r in rows]
+        entities = source.fetch_for_query(missing) if missing else {}
         for i, row in enumerate(rows):
             entity_id = row[-1]
-            entity = entities.get(entity_id)
-            if (
-                entity is None
-                or entity_id in seen
-                or (check_rows and stale(plan, row, entity))
-                or not matches(entity)
-            ):
+            if entity_id in seen:
+                continue
+            body = known.get(entity_id)
+            entity = entities.get(entity_id) if body is None else decode(body)
+            if entity is None or (check_rows and stale(plan, row, entity)) or not matches(entity):
                 continue
             results.append(entity)
             seen.add(entity_id)
