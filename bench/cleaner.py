@@ -68,6 +68,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,6 +190,69 @@ def _open_writer(
     return put_sqlite, lite.close, _no_events
 
 
+#: A write still running after this long gets its stack (and, on MariaDB, the
+#: server's transactions and lock waits) recorded while it waits.
+STALL_DUMP = 0.4
+
+
+def _server_now() -> str:
+    """MariaDB's running statements, open transactions and lock waits, as text."""
+    conn = mysql_connect()
+    try:
+        cur = conn.cursor()
+        out = []
+        for title, sql in (
+            (
+                "statements",
+                "SELECT id, command, time_ms, state, LEFT(info, 160) FROM "
+                "information_schema.PROCESSLIST WHERE command <> 'Sleep' AND id <> CONNECTION_ID()",
+            ),
+            (
+                "transactions",
+                "SELECT trx_id, trx_state, trx_started, trx_mysql_thread_id, "
+                "trx_rows_locked, LEFT(trx_query, 160) FROM information_schema.INNODB_TRX",
+            ),
+            ("lock waits", "SELECT * FROM information_schema.INNODB_LOCK_WAITS"),
+            (
+                "InnoDB",
+                "SHOW GLOBAL STATUS WHERE Variable_name IN ('Innodb_buffer_pool_wait_free', "
+                "'Innodb_buffer_pool_pages_free', 'Innodb_buffer_pool_pages_dirty', "
+                "'Innodb_checkpoint_age', 'Innodb_buffer_pool_pages_flushed', "
+                "'Innodb_buffer_pool_reads')",
+            ),
+        ):
+            cur.execute(sql)
+            out.append(f"  {title}:")
+            out += [f"    {row}" for row in cur.fetchall()]
+        return "\n".join(out)
+    finally:
+        conn.close()
+
+
+def _watch_writes(
+    spec: WriterSpec, running: list[float], stop: Any, reports: list[tuple[float, str]]
+) -> None:
+    """A thread of the writer process: when one write has run STALL_DUMP
+    seconds, record where the writer thread is waiting (its stack) and, on
+    MariaDB, what the server is doing; once per write."""
+    main = threading.main_thread().ident
+    dumped = -1.0
+    while not stop.is_set():
+        time.sleep(0.05)
+        t0 = running[0]
+        if t0 < 0 or t0 == dumped or time.monotonic() - t0 < STALL_DUMP:
+            continue
+        dumped = t0
+        frame = sys._current_frames().get(main or 0)
+        text = "".join(traceback.format_stack(frame)[-14:]) if frame is not None else "?"
+        if spec.backend == "mysql":
+            try:
+                text += "\n" + _server_now()
+            except Exception as exc:  # the report must not stop the writer
+                text += f"\n  (server state unavailable: {exc})"
+        reports.append((t0, text))
+
+
 def writer_main(spec: WriterSpec, pipe: Any, ready: Any, stop: Any) -> None:
     """Put one entity every ``1/rate`` seconds (open loop: a slow write delays the
     next ones, which then go back to back) until ``stop``; send back the start
@@ -204,6 +268,12 @@ def writer_main(spec: WriterSpec, pipe: Any, ready: Any, stop: Any) -> None:
     interval = 1.0 / spec.rate
     clock = time.monotonic
     due = clock()
+    running = [-1.0]  # the start of the write in progress (-1: none)
+    stalls: list[tuple[float, str]] = []
+    watcher = threading.Thread(
+        target=_watch_writes, args=(spec, running, stop, stalls), daemon=True
+    )
+    watcher.start()
     try:
         while not stop.is_set():
             entity = friendfeed_entity()
@@ -216,6 +286,7 @@ def writer_main(spec: WriterSpec, pipe: Any, ready: Any, stop: Any) -> None:
                 time.sleep(due - now)
             seen = events()
             t0 = clock()
+            running[0] = t0
             try:
                 put(entity)
                 new_ok += fresh
@@ -225,6 +296,7 @@ def writer_main(spec: WriterSpec, pipe: Any, ready: Any, stop: Any) -> None:
                 else:
                     errors.append("")
             t1 = clock()
+            running[0] = -1.0
             starts.append(t0)
             latencies.append(t1 - t0)
             if events() != seen:
@@ -235,7 +307,8 @@ def writer_main(spec: WriterSpec, pipe: Any, ready: Any, stop: Any) -> None:
     finally:
         ready.set()
         close()
-        pipe.send((starts, latencies, errors, new_ok, troubled))
+        watcher.join(1.0)
+        pipe.send((starts, latencies, errors, new_ok, troubled, stalls))
         pipe.close()
 
 
@@ -246,6 +319,9 @@ class Writes:
     errors: list[str]
     new_ok: int = 0  # new entities written (not updates)
     troubled: list[int] = field(default_factory=list)  # positions of refused / frozen writes
+    #: ``(start, report)`` of writes that ran over STALL_DUMP: where the writer
+    #: waited, and the server's statements, transactions and lock waits then
+    stalls: list[tuple[float, str]] = field(default_factory=list)
 
     def window(self, t_from: float, t_to: float, *, troubled: bool | None = None) -> list[float]:
         """Latencies of the writes begun in ``[t_from, t_to)``; ``troubled``: only
@@ -280,9 +356,9 @@ class Writer:
         if not self._recv.poll(120):
             self.kill()
             raise RuntimeError("the writer process did not report")
-        starts, latencies, errors, new_ok, troubled = self._recv.recv()
+        starts, latencies, errors, new_ok, troubled, stalls = self._recv.recv()
         self.proc.join(30)
-        return Writes(starts, latencies, errors, new_ok, troubled)
+        return Writes(starts, latencies, errors, new_ok, troubled, stalls)
 
     def kill(self) -> None:
         if self.proc.is_alive():

@@ -642,3 +642,45 @@ def test_the_examples_in_docs_scaleout_md_run() -> None:
     text = (Path(__file__).resolve().parent.parent / "docs" / "scaleout.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     exec(compile(blocks[0] + blocks[1], "docs/scaleout.md", "exec"), {})
+
+
+def test_redo_fill_is_read_from_the_server(topo: Topology) -> None:
+    ds = topo.open()
+    backend = ds._backends[0]
+    fill = backend.redo_fill()
+    waited = backend.wait_for_flushing()
+    if topo.name == "sqlite":
+        assert fill is None
+        assert waited == 0.0
+    else:  # MariaDB reports its checkpoint age and the most it may reach
+        from bagstore.backends import mysql
+
+        assert fill is not None and 0.0 <= fill < 1.5
+        assert 0.0 <= waited <= mysql.REDO_WAIT_MAX + 1.0
+
+
+def test_a_move_waits_while_the_redo_log_is_full(
+    growth: Growth, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Thresholds no redo log can meet: every paced step finds the log "too
+    # full" and waits the longest allowed; the frozen sync never waits.
+    from bagstore.backends import mysql
+
+    monkeypatch.setattr(mysql, "REDO_HIGH", -1.0)
+    monkeypatch.setattr(mysql, "REDO_LOW", -1.0)
+    monkeypatch.setattr(mysql, "REDO_WAIT_MAX", 0.02)
+    monkeypatch.setattr(mysql, "REDO_CHECK_EVERY", 0.0)
+    ds = growth.open(indexes=[link_idx])
+    ids = ds.put_many([{"link": f"l{i}"} for i in range(60)])
+    ds.add_shard(growth.extra)
+    buckets = sorted({bucket_of(i, 64) for i in ids})[:8]
+    stats = ds.move_buckets(buckets, to=2, grace=0, batch=5, duty=0)
+    assert stats.entities >= 8
+    if growth.topo.name == "sqlite":
+        assert (stats.flush_waits, stats.flush_wait_seconds) == (0, 0.0)
+    else:
+        assert stats.flush_waits >= 2  # a copy step and a delete step at least
+        assert stats.flush_wait_seconds >= 0.02 * stats.flush_waits
+    fresh = growth.open(indexes=[link_idx])
+    assert fresh.count() == 60
+    assert_placed(fresh)
