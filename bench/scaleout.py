@@ -411,8 +411,7 @@ def one_round(
         f"  [{side.backend}] round {i + 1} {label}: {stats.buckets} buckets, "
         f"{stats.entities:,} entities + {stats.index_rows:,} index rows copied, "
         f"{stats.deleted:,} deleted in {stats.seconds:.1f}s (longest freeze "
-        f"{stats.longest_freeze * 1e3:.0f} ms; {stats.flush_waits} pauses for the redo log, "
-        f"{stats.flush_wait_seconds:.1f} s); writer p99 {r.before.p99 * 1e3:.1f} -> "
+        f"{stats.longest_freeze * 1e3:.0f} ms); writer p99 {r.before.p99 * 1e3:.1f} -> "
         f"{r.during.p99 * 1e3:.1f} ms, max {r.during.max * 1e3:.0f} ms, "
         f"{len(writes.errors)} errors; consistent: {consistent}"
         + (f"; first error: {writes.errors[0]}" if writes.errors else "")

@@ -190,12 +190,6 @@ def _move_report(stats: bagstore.MoveStats) -> None:
         f"moved {stats.buckets} buckets: {stats.entities} entities, {stats.index_rows} index "
         f"rows copied, {stats.deleted} source rows deleted in {stats.seconds:.1f}s "
         f"(longest freeze {stats.longest_freeze * 1000:.0f} ms)"
-        + (
-            f"; paused {stats.flush_waits} times, {stats.flush_wait_seconds:.1f}s in all, "
-            "while a server's redo log was over half full"
-            if stats.flush_waits
-            else ""
-        )
     )
 
 

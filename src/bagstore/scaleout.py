@@ -82,10 +82,6 @@ class MoveStats:
     deleted: int = 0
     longest_freeze: float = 0.0
     seconds: float = 0.0
-    #: Pauses between steps while a server's redo log was too full (see
-    #: ``Backend.wait_for_flushing``), and their seconds in all.
-    flush_waits: int = 0
-    flush_wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -132,7 +128,6 @@ class Mover:
         self.index_catalog = IndexCatalog(ds._catalog_backend)
         self._throttle = Throttle(max_rate=max_rate, duty=duty, adaptive=False)
         self._prepared: set[tuple[str, tuple[str, ...]]] = set()
-        self._flush_waits, self._flush_waited = 0, 0.0
 
     def _paced(self, backend: Backend, rows: int, started: float, paced: bool) -> None:
         """After a step of ``rows`` rows written on ``backend``, begun at
@@ -140,10 +135,6 @@ class Mover:
         if not paced:
             return
         backend.after_bulk_step()
-        waited = backend.wait_for_flushing()
-        if waited:
-            self._flush_waits += 1
-            self._flush_waited += waited
         if self.duty or self.max_rate:
             pause = self._throttle.pause_after(rows, time.monotonic() - started)
             if pause > 0:
@@ -226,7 +217,6 @@ class Mover:
                 )
         stats = MoveStats()
         started = time.monotonic()
-        waits, waited = self._flush_waits, self._flush_waited
         switched: list[tuple[int, int]] = []
         # Kinds and indexes as they are now: enough for the copy while writes go
         # on (the frozen sync, which must miss nothing, reads them again).
@@ -243,8 +233,6 @@ class Mover:
                     self.progress(i + 1, len(buckets))
         self._finish(switched, stats)
         stats.seconds = time.monotonic() - started
-        stats.flush_waits = self._flush_waits - waits
-        stats.flush_wait_seconds = self._flush_waited - waited
         return stats
 
     @contextlib.contextmanager
@@ -506,6 +494,4 @@ class Mover:
             total.deleted += stats.deleted
             total.longest_freeze = max(total.longest_freeze, stats.longest_freeze)
             total.seconds += stats.seconds
-            total.flush_waits += stats.flush_waits
-            total.flush_wait_seconds += stats.flush_wait_seconds
         return total

@@ -737,17 +737,6 @@ class Backend(BucketOps, IndexOps):
         each step, from its own thread: take on upkeep that the step's writes
         would otherwise leave to the next live write.  Nothing by default."""
 
-    def redo_fill(self) -> float | None:
-        """How full the server's redo log is, as a share of what it may hold
-        before it makes writers flush pages themselves (None where unknown)."""
-        return None
-
-    def wait_for_flushing(self) -> float:
-        """Called by a bucket move between its steps: wait while the server's
-        redo log is too full (see :meth:`redo_fill`); return the seconds
-        waited.  Nothing by default."""
-        return 0.0
-
 
 #: Fenced inserts of up to this many rows read each row's ownership row by key;
 #: larger ones join a derived table (see ``Dialect._fenced_select``).

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -209,18 +208,6 @@ def _load_driver(name: str) -> Any:
         ) from exc
 
 
-#: A bucket move waits between steps while InnoDB's checkpoint age (redo
-#: written since the last checkpoint) is over REDO_HIGH of its maximum, until
-#: it is down to REDO_LOW, REDO_WAIT_MAX seconds at most per step; it reads the
-#: age at most every REDO_CHECK_EVERY seconds.  A full redo log makes InnoDB
-#: flush pages in the writers' own statements: on a 96 MiB log, a move's copy
-#: filled it and one write in three rounds waited 2-3 s (docs/scaleout.md).
-REDO_HIGH = 0.5
-REDO_LOW = 0.35
-REDO_WAIT_MAX = 10.0
-REDO_CHECK_EVERY = 0.2
-
-
 class MySQLBackend(Backend):
     """One MariaDB/MySQL database (a schema) on one server."""
 
@@ -262,36 +249,6 @@ class MySQLBackend(Backend):
             name=self.name,
         )
         self._limits_known = False
-        self._redo_checked = 0.0
-        self._redo_known: bool | None = None  # None: not asked yet
-
-    def redo_fill(self) -> float | None:
-        """MariaDB's ``Innodb_checkpoint_age`` / ``Innodb_checkpoint_max_age``
-        (None on a server that does not report them, such as MySQL 8)."""
-        if self._redo_known is False:
-            return None
-        rows = self.fetchall(
-            "SHOW GLOBAL STATUS WHERE Variable_name IN "
-            "('Innodb_checkpoint_age', 'Innodb_checkpoint_max_age')"
-        )
-        found = {str(name).lower(): int(value) for name, value in rows}
-        most = found.get("innodb_checkpoint_max_age", 0)
-        self._redo_known = most > 0 and "innodb_checkpoint_age" in found
-        return found["innodb_checkpoint_age"] / most if self._redo_known else None
-
-    def wait_for_flushing(self) -> float:
-        started = time.monotonic()
-        if started - self._redo_checked < REDO_CHECK_EVERY:
-            return 0.0
-        self._redo_checked = started
-        fill = self.redo_fill()
-        if fill is None or fill <= REDO_HIGH:
-            return 0.0
-        while fill is not None and fill > REDO_LOW and time.monotonic() - started < REDO_WAIT_MAX:
-            time.sleep(0.05)
-            fill = self.redo_fill()
-        self._redo_checked = time.monotonic()
-        return self._redo_checked - started
 
     def int_column(self, table: str, key: str, value: str) -> list[int] | None:
         # One row instead of one per key: the catalog's bucket map (1,024 rows)
