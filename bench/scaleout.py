@@ -27,7 +27,7 @@ its own, soon stale, placement (it learns of moves by being refused, or every
 ``refresh_interval``); each write's latency is recorded.  The writer's first
 ``--settle`` seconds are not counted (the previous bulk work settles; before
 the writer starts, SQLite's WAL files are checkpointed, and on MariaDB the
-round waits until InnoDB's checkpoint age is at most 10% of its maximum, at
+round waits until InnoDB's checkpoint age is at most 15% of its maximum, at
 most 120 s: the load and the previous round's raw copies fill its redo log),
 the next ``--before`` seconds give the "before" figures.
 

@@ -385,7 +385,7 @@ class _Stream:
         entity goes to ``bodies`` if the joined copy is on the shard that the
         placement names (a copy elsewhere, left by a move, is not that one; the
         entity is then read by id)."""
-        width = len(self.scan.columns) - len(self.scan.eq) + 1  # the order columns
+        width = self.scan.order_width
         bodies, owner, joined = self.bodies, self.shard_of_bucket, self.joined
         last, at_bucket, at_body = width - 1, width + 1, width + 2
         for row in rows:

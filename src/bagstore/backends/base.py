@@ -215,16 +215,12 @@ class Dialect:
         ORDER BY, LIMIT or lock clause only where the dialect allows them)."""
         return " UNION ALL ".join(parts)
 
-    #: Whether each part of :meth:`sorted_union_sql` needs its own ORDER BY and
-    #: LIMIT (else the server may read every row each part matches).
+    #: Whether each index scan in a :meth:`union_all_sql` followed by the ORDER
+    #: BY and LIMIT of the whole needs its own ORDER BY and LIMIT (else the
+    #: server may read every row each part matches).  Without them (SQLite),
+    #: the compound's ORDER BY merges parts that each read an index in that
+    #: order, a row at a time, and stops at its LIMIT.
     limit_union_parts = False
-
-    def sorted_union_sql(self, parts: Sequence[str]) -> str:
-        """A UNION ALL of index scans, to be followed by the ORDER BY and LIMIT
-        of the whole.  Here the parts are plain SELECTs: the compound's ORDER BY
-        merges parts that each read an index in that order, a row at a time,
-        and stops at its LIMIT."""
-        return " UNION ALL ".join(parts)
 
     def delete_entities_sql(self, kind: str, n: int) -> str:
         cond = f" = {self.param}" if n == 1 else f" IN ({self.params(n)})"

@@ -71,6 +71,11 @@ class Scan:
     def order_columns(self) -> tuple[str, ...]:
         return (*self.columns[len(self.eq) :], ENTITY_ID)
 
+    @property
+    def order_width(self) -> int:
+        """``len(order_columns)``, without building them."""
+        return len(self.columns) - len(self.eq) + 1
+
 
 def scan_sql(d: Dialect, s: Scan, *, schema: str | None = None) -> tuple[str, list[Any]]:
     """``SELECT <order columns> FROM t WHERE ... ORDER BY ... LIMIT n``; with
@@ -162,7 +167,7 @@ def _scan_text(
     merged = ""
     if parts:
         each = d.limit_union_parts
-        merged = d.sorted_union_sql([select("", in_db(db, table), "", each) for db in parts]) + (
+        merged = d.union_all_sql([select("", in_db(db, table), "", each) for db in parts]) + (
             f" ORDER BY {', '.join(d.q(c) + direction for c in order)} LIMIT {limit}"
         )
     if join_kind is None:

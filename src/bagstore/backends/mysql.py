@@ -118,9 +118,6 @@ class MySQLDialect(Dialect):
     # reads a UNION's parts whole before the ORDER BY of the whole.
     limit_union_parts = True
 
-    def sorted_union_sql(self, parts: Sequence[str]) -> str:
-        return self.union_all_sql(parts)
-
     def create_secondary_sql(self, table: str, name: str, columns: Sequence[str]) -> list[str]:
         cols = ", ".join(self.q(c) for c in columns)
         # MariaDB knows IF NOT EXISTS for indexes; MySQL 8 does not (it would fail
