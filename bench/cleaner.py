@@ -201,6 +201,9 @@ def _server_now() -> str:
     try:
         cur = conn.cursor()
         out = []
+        cur.execute("SELECT @@performance_schema")
+        if cur.fetchone()[0]:  # first: the other queries may wait on the same latches
+            out += _latch_waits(cur)
         for title, sql in (
             (
                 "statements",
@@ -227,6 +230,56 @@ def _server_now() -> str:
         return "\n".join(out)
     finally:
         conn.close()
+
+
+def _latch_waits(cur: Any) -> list[str]:
+    """With performance_schema on and its ``wait/synch`` instruments enabled (see
+    ``bench.scaleout --server private``): every thread's latch wait in progress,
+    who holds each latch waited on, and what the holders are doing."""
+    cur.execute(
+        "SELECT w.THREAD_ID, t.PROCESSLIST_ID, t.NAME, w.EVENT_NAME, w.SOURCE, "
+        "w.OBJECT_INSTANCE_BEGIN, ROUND(w.TIMER_WAIT / 1e9) AS ms "
+        "FROM performance_schema.events_waits_current w "
+        "JOIN performance_schema.threads t USING (THREAD_ID) "
+        "WHERE w.EVENT_NAME LIKE 'wait/synch/%' AND w.EVENT_NAME NOT LIKE 'wait/synch/cond/%' "
+        "AND w.END_EVENT_ID IS NULL"  # (condition variables: idle threads)
+    )
+    waits = cur.fetchall()
+    out = ["  latch waits in progress (thread, connection, name, latch, source, object, ms):"]
+    out += [f"    {row}" for row in waits]
+    objects = sorted({int(row[5]) for row in waits})
+    if not objects:
+        return out
+    marks = ", ".join(["%s"] * len(objects))
+    cur.execute(
+        "SELECT NAME, OBJECT_INSTANCE_BEGIN, WRITE_LOCKED_BY_THREAD_ID, READ_LOCKED_BY_COUNT "
+        f"FROM performance_schema.rwlock_instances WHERE OBJECT_INSTANCE_BEGIN IN ({marks}) "
+        "UNION ALL SELECT NAME, OBJECT_INSTANCE_BEGIN, LOCKED_BY_THREAD_ID, NULL "
+        f"FROM performance_schema.mutex_instances WHERE OBJECT_INSTANCE_BEGIN IN ({marks})",
+        objects + objects,
+    )
+    held = cur.fetchall()
+    out.append("  those latches (name, object, written/locked by thread, readers):")
+    out += [f"    {row}" for row in held]
+    holders = sorted({int(row[2]) for row in held if row[2] is not None})
+    if holders:
+        marks = ", ".join(["%s"] * len(holders))
+        cur.execute(
+            "SELECT t.THREAD_ID, t.PROCESSLIST_ID, t.NAME, t.PROCESSLIST_STATE, "
+            "w.EVENT_NAME, w.SOURCE, w.END_EVENT_ID IS NULL, s.EVENT_NAME, s.SOURCE, "
+            "LEFT(q.SQL_TEXT, 120) FROM performance_schema.threads t "
+            "LEFT JOIN performance_schema.events_waits_current w USING (THREAD_ID) "
+            "LEFT JOIN performance_schema.events_stages_current s USING (THREAD_ID) "
+            "LEFT JOIN performance_schema.events_statements_current q USING (THREAD_ID) "
+            f"WHERE t.THREAD_ID IN ({marks})",
+            holders,
+        )
+        out.append(
+            "  the holders (thread, connection, name, state, last wait, its source, "
+            "still waiting, stage, its source, statement):"
+        )
+        out += [f"    {row}" for row in cur.fetchall()]
+    return out
 
 
 def _watch_writes(

@@ -5,6 +5,7 @@ Run from the repository root::
     python -m bench.scaleout [--backend mysql|sqlite|all] [--rows N] [--rounds N]
                              [--rate R] [--updates F] [--settle S] [--before S] [--duty D]
                              [--batch N] [--max-rate R]
+                             [--server shared|private [--server-option OPT ...]]
                              [--format rich|plain|markdown]
 
 For the issue "Scale-out while serving".
@@ -50,6 +51,11 @@ late it wakes from a sleep, doing no IO itself; Linux's IO pressure, the time
 every task was stalled on IO at once; iowait and steal ticks).  Each write
 slower than 250 ms gets a log line saying what the machine did meanwhile: a
 stall that every process shares is the machine's, not the store's.
+
+``--server private`` runs the MariaDB side on a ``mariadbd`` of its own, with
+the shared server's InnoDB sizes and performance_schema's latch instruments on:
+the writer's watchdog then lists, for a write stalled 0.4 s, every latch wait in
+progress, who holds those latches and what the holders are doing.
 
 Goals (the issue): no write stalled over 1 s; writer p99 during <= 2x before.
 """
@@ -746,6 +752,50 @@ def _terminate(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # so that temporary databases and files are removed
 
 
+#: ``--server private``: the shared server's InnoDB sizes and durability (Debian's
+#: defaults), and performance_schema with every latch instrumented.
+PRIVATE_OPTIONS = (
+    "--innodb-buffer-pool-size=128M",
+    "--innodb-log-file-size=96M",
+    "--innodb-flush-log-at-trx-commit=1",
+    "--performance-schema=ON",
+    "--performance-schema-instrument=wait/synch/%=ON",
+    "--performance-schema-instrument=stage/%=ON",
+    "--performance-schema-consumer-events-waits-current=ON",
+    "--performance-schema-consumer-events-stages-current=ON",
+)
+
+
+@contextlib.contextmanager
+def private_server(args: argparse.Namespace) -> Iterator[None]:
+    """With ``--server private``: start a ``mariadbd`` and point this process and
+    the ones it spawns (through the environment) at it until the block ends."""
+    if args.server != "private":
+        yield
+        return
+    from tests.servers import MariaDBServer
+
+    import bench.common
+
+    server = MariaDBServer(extra_options=[*PRIVATE_OPTIONS, *args.server_option]).start()
+    saved = {
+        k: os.environ.get(k) for k in ("BAGSTORE_BENCH_MYSQL_HOST", "BAGSTORE_BENCH_MYSQL_PORT")
+    }
+    try:
+        os.environ["BAGSTORE_BENCH_MYSQL_HOST"] = bench.common.MYSQL_HOST = server.host
+        os.environ["BAGSTORE_BENCH_MYSQL_PORT"] = str(server.port)
+        bench.common.MYSQL_PORT = server.port
+        log(f"  private mariadbd on {server.host}:{server.port}: {' '.join(server.extra_options)}")
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="bucket moves while serving, beside plain SQL copies")
     p.add_argument("--backend", choices=["sqlite", "mysql", "all"], default="all")
@@ -785,6 +835,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the mover's rows per copy or delete statement (default: bagstore's default)",
     )
+    p.add_argument(
+        "--server",
+        choices=["shared", "private"],
+        default="shared",
+        help="MariaDB: the shared server on 127.0.0.1:3306 (default), or a private mariadbd "
+        "started here with the shared one's InnoDB sizes and performance_schema's latch "
+        "instruments on (the writer's watchdog then names what a stalled write waits on)",
+    )
+    p.add_argument(
+        "--server-option",
+        action="append",
+        default=[],
+        metavar="OPT",
+        help="with --server private: one more mariadbd option (repeatable), e.g. "
+        "--server-option=--innodb-buffer-pool-size=1G",
+    )
     p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
     args = p.parse_args(argv)
     if args.rows < 1000 or args.rounds < 1:
@@ -803,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend in ("sqlite", "all"):
         backends.append("sqlite")
     if args.backend in ("mysql", "all"):
-        if mysql_available():
+        if args.server == "private" or mysql_available():
             backends.append("mysql")
         elif args.backend == "mysql":
             log("MariaDB is not reachable on 127.0.0.1:3306")
@@ -816,7 +882,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     rounds: list[Round] = []
     for backend in backends:
-        rounds += run_backend(backend, args)
+        with private_server(args) if backend == "mysql" else contextlib.nullcontext():
+            rounds += run_backend(backend, args)
     from bagstore.scaleout import DEFAULT_BATCH, DEFAULT_DUTY
 
     duty = DEFAULT_DUTY if args.duty is None else args.duty
