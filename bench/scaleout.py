@@ -369,6 +369,7 @@ def one_round(
         update_share=args.updates,
     )
     settle(side)
+    longest = Longest(side)
     watch = Watch()
     with writer(spec) as w, _deleting() as deletes:
         time.sleep(args.settle + args.before)  # the first seconds are not counted
@@ -434,6 +435,8 @@ def one_round(
         log(f"    {line}")
     for start, report in writes.stalls:
         log(f"    a write begun at {start - t0:+.1f} s, after {STALL_DUMP} s:\n{report}")
+    for line in longest.report():
+        log(f"    {line}")
 
     def deleting_at(t: float) -> bool:
         return any(a <= t < b for a, b in deletes)
@@ -535,6 +538,51 @@ class Watch:
         if self.proc.is_alive():
             self.proc.terminate()
         return samples
+
+
+class Longest:
+    """With performance_schema on (``--server private``): the latch and IO waits
+    and the statement stages whose longest single occurrence during a round
+    passed LONGEST_SHOWN (the server's own clock, whatever thread waited),
+    from its summaries, emptied when the round starts."""
+
+    SUMMARIES = (
+        ("waits", "events_waits_summary_global_by_event_name"),
+        ("stages", "events_stages_summary_global_by_event_name"),
+    )
+
+    def __init__(self, side: Side) -> None:
+        self.side = side
+        self.on = side.backend == "mysql" and bool(self._rows("SELECT @@performance_schema")[0][0])
+        for _, table in self.SUMMARIES if self.on else ():
+            side.exec(f"TRUNCATE TABLE performance_schema.{table}")
+
+    def _rows(self, sql: str) -> list[tuple[Any, ...]]:
+        cur = self.side.raw.cursor()
+        try:
+            cur.execute(sql)
+            return list(cur.fetchall())
+        finally:
+            cur.close()
+
+    def report(self) -> list[str]:
+        out = []
+        for title, table in self.SUMMARIES if self.on else ():
+            rows = self._rows(
+                "SELECT EVENT_NAME, COUNT_STAR, ROUND(MAX_TIMER_WAIT / 1e9), "
+                f"ROUND(SUM_TIMER_WAIT / 1e9) FROM performance_schema.{table} "
+                f"WHERE MAX_TIMER_WAIT > {int(LONGEST_SHOWN * 1e12)} "
+                "AND EVENT_NAME <> 'idle' AND EVENT_NAME NOT LIKE 'wait/synch/cond/%' "  # idle
+                "ORDER BY MAX_TIMER_WAIT DESC"
+            )
+            shown = f"{LONGEST_SHOWN * 1e3:.0f} ms"
+            out.append(f"{title} with one over {shown} (name, count, max ms, total ms):")
+            out += [f"  {row}" for row in rows]
+        return out
+
+
+#: Longest waits worth a line in a round's report (seconds).
+LONGEST_SHOWN = 0.1
 
 
 def explain_slow(
@@ -761,6 +809,7 @@ PRIVATE_OPTIONS = (
     "--performance-schema=ON",
     "--performance-schema-instrument=wait/synch/%=ON",
     "--performance-schema-instrument=stage/%=ON",
+    "--performance-schema-instrument=wait/io/file/%=ON",
     "--performance-schema-consumer-events-waits-current=ON",
     "--performance-schema-consumer-events-stages-current=ON",
 )
