@@ -48,9 +48,10 @@ writer's new entities), and the index holds one row per entity.
 
 A third process watches the machine while each round runs (every 20 ms: how
 late it wakes from a sleep, doing no IO itself; Linux's IO pressure, the time
-every task was stalled on IO at once; iowait and steal ticks).  Each write
-slower than 250 ms gets a log line saying what the machine did meanwhile: a
-stall that every process shares is the machine's, not the store's.
+some task and every task was stalled on IO; iowait and steal ticks; the reads
+and writes its disks completed and how long they took).  Each write slower
+than 250 ms gets a log line saying what the machine did meanwhile: a stall
+that every process shares is the machine's, not the store's.
 
 ``--server private`` runs the MariaDB side on a ``mariadbd`` of its own, with
 the shared server's InnoDB sizes and performance_schema's latch instruments on:
@@ -483,29 +484,48 @@ WATCH_EVERY = 0.02  # seconds between samples
 SLOW_WRITE = 0.25  # a write this slow is explained in the log
 
 
-def _machine_counters() -> tuple[int, int, int]:
-    """``(io_full_us, iowait_ticks, steal_ticks)``: the time every task of the
-    machine was stalled on IO at once (Linux PSI, ``/proc/pressure/io``
-    "full"; -1 where the kernel has no PSI), and the CPUs' iowait and steal
-    ticks (``/proc/stat``)."""
-    io_full = -1
+#: One sample of the watcher: time, how late it woke, then _machine_counters().
+Sample = tuple[float, float, int, int, int, int, int, int, int, int, int]
+
+
+def _machine_counters() -> tuple[int, int, int, int, int, int, int, int, int]:
+    """``(io_some_us, io_full_us, iowait_ticks, steal_ticks, reads, read_ms,
+    writes, write_ms, in_flight)``: the time some task / every task of the
+    machine was stalled on IO (Linux PSI, ``/proc/pressure/io``; -1 where the
+    kernel has no PSI); the CPUs' iowait and steal ticks (``/proc/stat``); and,
+    summed over the machine's disks (``/proc/diskstats``, whole devices other
+    than loop, ram and zram), the reads and writes completed, the time they
+    took, and the requests in flight now."""
+    some = full = -1
     try:
         with open("/proc/pressure/io") as f:
             for line in f:
-                if line.startswith("full"):
-                    io_full = int(line.rsplit("total=", 1)[1])
+                total = int(line.rsplit("total=", 1)[1])
+                if line.startswith("some"):
+                    some = total
+                elif line.startswith("full"):
+                    full = total
     except OSError:
         pass
     with open("/proc/stat") as f:
         cpu = f.readline().split()
-    return io_full, int(cpu[5]), int(cpu[8])
+    disk = [0] * 5
+    with open("/proc/diskstats") as f:
+        for line in f:
+            col = line.split()
+            if int(col[1]) != 0 or col[2].startswith(("loop", "ram", "zram")):
+                continue  # (minor 0: a whole device, not a partition)
+            for n, at in enumerate((3, 6, 7, 10, 11)):
+                disk[n] += int(col[at])
+    reads, read_ms, writes, write_ms, in_flight = disk
+    return some, full, int(cpu[5]), int(cpu[8]), reads, read_ms, writes, write_ms, in_flight
 
 
 def watch_main(pipe: Any, stop: Any) -> None:
     """Sample every WATCH_EVERY seconds until ``stop``: the time, how late this
     process woke (it does no IO: late means the machine ran nothing), and
     :func:`_machine_counters`; send the samples back."""
-    samples: list[tuple[float, float, int, int, int]] = []
+    samples: list[Sample] = []
     clock = time.monotonic
     try:
         while not stop.is_set():
@@ -529,11 +549,9 @@ class Watch:
         self.proc.start()
         send.close()
 
-    def stop(self) -> list[tuple[float, float, int, int, int]]:
+    def stop(self) -> list[Sample]:
         self._stop.set()
-        samples: list[tuple[float, float, int, int, int]] = (
-            self._recv.recv() if self._recv.poll(30) else []
-        )
+        samples: list[Sample] = self._recv.recv() if self._recv.poll(30) else []
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.terminate()
@@ -588,7 +606,7 @@ LONGEST_SHOWN = 0.1
 def explain_slow(
     starts: Sequence[float],
     latencies: Sequence[float],
-    samples: Sequence[tuple[float, float, int, int, int]],
+    samples: Sequence[Sample],
     t0: float,
 ) -> list[str]:
     """One line per write slower than SLOW_WRITE: what the machine did while it
@@ -605,12 +623,16 @@ def explain_slow(
             continue
         last = inside[-1]
         late = max(s[1] for s in inside)
-        io_full = "n/a" if first[2] < 0 else f"{(last[2] - first[2]) / 1e3:,.0f} ms"
+        d = [b - a for a, b in zip(first, last, strict=True)]
+        psi = "n/a" if first[2] < 0 else f"{d[2] / 1e3:,.0f} ms (some) / {d[3] / 1e3:,.0f} ms (all)"
+        reads, read_ms, writes, write_ms = d[6], d[7], d[8], d[9]
         lines.append(
             f"slow write at {start - t0:+.1f} s of the move: {lat * 1e3:,.0f} ms; meanwhile "
-            f"an idle process woke up to {late * 1e3:,.0f} ms late, every task was stalled "
-            f"on IO for {io_full} (PSI full), iowait {last[3] - first[3]} and steal "
-            f"{last[4] - first[4]} CPU ticks"
+            f"an idle process woke up to {late * 1e3:,.0f} ms late; tasks stalled on IO "
+            f"{psi}; iowait {d[4]} and steal {d[5]} CPU ticks; the disks completed "
+            f"{reads} reads (mean {read_ms / max(reads, 1):.1f} ms) and {writes} writes "
+            f"(mean {write_ms / max(writes, 1):.1f} ms), up to "
+            f"{max(s[10] for s in inside)} requests in flight"
         )
     return lines
 
