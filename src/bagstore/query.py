@@ -367,8 +367,13 @@ class _Stream:
         self.bodies: dict[bytes, bytes] = {}
 
     def fetch(self) -> None:
+        self.accept(self.read())
+
+    def read(self) -> list[tuple[Any, ...]]:
+        """The next page's rows as the statement gives them (joined: with the
+        ``which, bucket, body`` columns); :meth:`accept` takes them."""
         self.scan.limit = self.next
-        self.accept(self.backend.scan_index(self.scan, self.reach))
+        return self.backend.scan_index(self.scan, self.reach)
 
     def accept(self, rows: list[tuple[Any, ...]]) -> None:
         """Take the next page of rows (read with ``scan.limit == next``)."""
@@ -465,6 +470,58 @@ class Source(Protocol):
         ...
 
 
+def _one_pass(
+    stream: _Stream,
+    rows: list[tuple[Any, ...]],
+    plan: Plan,
+    matches: Callable[[Mapping[str, Any]], bool],
+    limit: int | None,
+) -> QueryResult | None:
+    """The usual query in one pass over its first page: one stream whose
+    statement read each row's entity (joined).  The same answer as the loop of
+    :func:`execute` (same re-checks, same cursor), or None when that loop must
+    take the page: an entity to read by id (no copy joined, or one that the
+    placement does not put where it was read), or more rows wanted than the
+    first batch holds."""
+    batch = limit or 500
+    if stream.next <= batch:  # (a page smaller than the batch: the loop reads on)
+        return None
+    width = stream.scan.order_width
+    at_id, at_which, at_bucket, at_body = width - 1, width, width + 1, width + 2
+    owner, joined = stream.shard_of_bucket, stream.joined
+    check_rows = bool(plan.order_props)
+    decode = codec.decode
+    want = limit if limit is not None else MAX_UNLIMITED + 1
+    out = QueryResult()
+    # An entity has one row per shard when every property is one value:
+    # only a scan of several shards, __in or the order columns can repeat it.
+    seen: set[bytes] | None = None
+    if stream.shards > 1 or check_rows or any(f.op != "eq" for f in plan.eq):
+        seen = set()
+    exhausted = len(rows) < batch
+    if not exhausted:
+        rows = rows[:batch]
+    for i, row in enumerate(rows):
+        which = row[at_which]
+        if which is None or owner[row[at_bucket]] != joined[which]:
+            return None
+        if seen is not None and row[at_id] in seen:
+            continue
+        entity = decode(row[at_body])
+        if (check_rows and stale(plan, row, entity)) or not matches(entity):
+            continue
+        out.append(entity)
+        if seen is not None:
+            seen.add(row[at_id])
+        if len(out) >= want:
+            if limit is not None and (i + 1 < len(rows) or not exhausted):
+                out.cursor = encode_cursor(plan, row[:width])
+            return out
+    # A whole batch read and not enough kept: the loop reads on.  (Without a
+    # limit, an exhausted page holds fewer than MAX_UNLIMITED entities.)
+    return None if not exhausted else out
+
+
 def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None) -> QueryResult:
     """Run a planned query: merge the shards' scans, fetch, re-check, page."""
     if limit is not None and (
@@ -482,7 +539,22 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
         s.scan.after = after
         s.next = first_page(limit, shards, page, s.shards)
         s.bodies = known
-    source.fetch_streams(streams)
+    filters = plan.filters
+    if len(filters) == 1:  # the usual query: no generator per row
+        matches = filters[0].matcher()
+    else:
+
+        def matches(entity: Mapping[str, Any]) -> bool:
+            return all(f.matches(entity) for f in filters)
+
+    if len(streams) == 1 and streams[0].joined:
+        first = streams[0].read()
+        answer = _one_pass(streams[0], first, plan, matches, limit)
+        if answer is not None:
+            return answer
+        streams[0].accept(first)  # the general way, from the same page
+    else:
+        source.fetch_streams(streams)
     # One stream is in index order already; several are merged.
     if len(streams) == 1:
         take = streams[0].take
@@ -491,14 +563,6 @@ def execute(source: Source, plan: Plan, *, limit: int | None, cursor: str | None
 
         def take(n: int) -> list[tuple[bytes, ...]]:
             return list(itertools.islice(merged, n))
-
-    filters = plan.filters
-    if len(filters) == 1:  # the usual query: no generator per row
-        matches = filters[0].matcher()
-    else:
-
-        def matches(entity: Mapping[str, Any]) -> bool:
-            return all(f.matches(entity) for f in filters)
 
     check_rows = bool(plan.order_props)
     decode = codec.decode
