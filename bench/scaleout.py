@@ -404,6 +404,7 @@ def one_round(
     ok = entities == side.expected and rows == entities
     consistent = "yes" if ok else f"NO ({entities:,} entities for {side.expected:,}; {rows:,} rows)"
     groups = _by(moved, lambda b: placement.shard_of_bucket[b])
+    longest_waits = longest.report()  # (before the raw copies' bulk statements)
     copies = [raw_copy(side, groups, m) for m in ("INSERT ... SELECT", "SELECT + INSERT")]
     r = Round(
         side.backend,
@@ -436,7 +437,7 @@ def one_round(
         log(f"    {line}")
     for start, report in writes.stalls:
         log(f"    a write begun at {start - t0:+.1f} s, after {STALL_DUMP} s:\n{report}")
-    for line in longest.report():
+    for line in longest_waits:
         log(f"    {line}")
 
     def deleting_at(t: float) -> bool:
