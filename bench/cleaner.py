@@ -234,7 +234,7 @@ def _server_now() -> str:
 
 def _latch_waits(cur: Any) -> list[str]:
     """With performance_schema on and its ``wait/synch`` instruments enabled (see
-    ``bench.scaleout --server private``): every thread's latch wait in progress,
+    ``bench.scaleout --server private --latches``): every thread's latch wait in progress,
     who holds each latch waited on, and what the holders are doing."""
     cur.execute(
         "SELECT w.THREAD_ID, t.PROCESSLIST_ID, t.NAME, w.EVENT_NAME, w.SOURCE, "

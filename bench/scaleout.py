@@ -5,7 +5,7 @@ Run from the repository root::
     python -m bench.scaleout [--backend mysql|sqlite|all] [--rows N] [--rounds N]
                              [--rate R] [--updates F] [--settle S] [--before S] [--duty D]
                              [--batch N] [--max-rate R]
-                             [--server shared|private [--server-option OPT ...]]
+                             [--server shared|private [--latches] [--server-option OPT ...]]
                              [--format rich|plain|markdown]
 
 For the issue "Scale-out while serving".
@@ -54,9 +54,12 @@ than 250 ms gets a log line saying what the machine did meanwhile: a stall
 that every process shares is the machine's, not the store's.
 
 ``--server private`` runs the MariaDB side on a ``mariadbd`` of its own, with
-the shared server's InnoDB sizes and performance_schema's latch instruments on:
-the writer's watchdog then lists, for a write stalled 0.4 s, every latch wait in
-progress, who holds those latches and what the holders are doing.
+the shared server's InnoDB sizes (``--server-option`` changes them, e.g. the
+buffer pool).  ``--latches`` turns performance_schema's latch, file IO and
+stage instruments on there: the writer's watchdog then lists, for a write
+stalled 0.4 s, every latch wait in progress, who holds those latches and what
+the holders are doing, and each round ends with the waits whose longest
+single occurrence passed 100 ms.
 
 Goals (the issue): no write stalled over 1 s; writer p99 during <= 2x before.
 """
@@ -560,7 +563,7 @@ class Watch:
 
 
 class Longest:
-    """With performance_schema on (``--server private``): the latch and IO waits
+    """With performance_schema on (``--latches``): the latch and IO waits
     and the statement stages whose longest single occurrence during a round
     passed LONGEST_SHOWN (the server's own clock, whatever thread waited),
     from its summaries, emptied when the round starts."""
@@ -824,11 +827,15 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 #: ``--server private``: the shared server's InnoDB sizes and durability (Debian's
-#: defaults), and performance_schema with every latch instrumented.
+#: defaults).
 PRIVATE_OPTIONS = (
     "--innodb-buffer-pool-size=128M",
     "--innodb-log-file-size=96M",
     "--innodb-flush-log-at-trx-commit=1",
+)
+#: ``--latches``: performance_schema with every latch, file IO and stage timed
+#: (it slows the server: the writer's p50 rises by ~0.5 ms here).
+LATCH_OPTIONS = (
     "--performance-schema=ON",
     "--performance-schema-instrument=wait/synch/%=ON",
     "--performance-schema-instrument=stage/%=ON",
@@ -849,7 +856,9 @@ def private_server(args: argparse.Namespace) -> Iterator[None]:
 
     import bench.common
 
-    server = MariaDBServer(extra_options=[*PRIVATE_OPTIONS, *args.server_option]).start()
+    latches = LATCH_OPTIONS if args.latches else ()
+    server = MariaDBServer(extra_options=[*PRIVATE_OPTIONS, *latches, *args.server_option])
+    server.start()
     saved = {
         k: os.environ.get(k) for k in ("BAGSTORE_BENCH_MYSQL_HOST", "BAGSTORE_BENCH_MYSQL_PORT")
     }
@@ -912,8 +921,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["shared", "private"],
         default="shared",
         help="MariaDB: the shared server on 127.0.0.1:3306 (default), or a private mariadbd "
-        "started here with the shared one's InnoDB sizes and performance_schema's latch "
-        "instruments on (the writer's watchdog then names what a stalled write waits on)",
+        "started here with the shared one's InnoDB sizes (Debian's defaults)",
+    )
+    p.add_argument(
+        "--latches",
+        action="store_true",
+        help="with --server private: performance_schema's latch, file IO and stage "
+        "instruments on (the writer's watchdog then names what a stalled write waits on, "
+        "and each round lists its longest waits)",
     )
     p.add_argument(
         "--server-option",
@@ -927,6 +942,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rows < 1000 or args.rounds < 1:
         p.error("--rows must be >= 1000 and --rounds >= 1")
+    if (args.latches or args.server_option) and args.server != "private":
+        p.error("--latches and --server-option need --server private")
     if args.settle < 0 or args.before <= 0:
         p.error("--settle must be >= 0 and --before > 0")
     if not 0.0 <= args.updates <= 1.0:
