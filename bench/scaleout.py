@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import multiprocessing
 import os
 import signal
@@ -514,15 +515,26 @@ def _machine_counters() -> tuple[int, int, int, int, int, int, int, int, int]:
     with open("/proc/stat") as f:
         cpu = f.readline().split()
     disk = [0] * 5
+    disks = _disks()
     with open("/proc/diskstats") as f:
         for line in f:
             col = line.split()
-            if int(col[1]) != 0 or col[2].startswith(("loop", "ram", "zram")):
-                continue  # (minor 0: a whole device, not a partition)
-            for n, at in enumerate((3, 6, 7, 10, 11)):
-                disk[n] += int(col[at])
+            if col[2] in disks:
+                for n, at in enumerate((3, 6, 7, 10, 11)):
+                    disk[n] += int(col[at])
     reads, read_ms, writes, write_ms, in_flight = disk
     return some, full, int(cpu[5]), int(cpu[8]), reads, read_ms, writes, write_ms, in_flight
+
+
+@functools.cache
+def _disks() -> frozenset[str]:
+    """The machine's whole disks (``/sys/block``: no partitions), without
+    loop, ram and zram devices."""
+    try:
+        names = os.listdir("/sys/block")
+    except OSError:
+        return frozenset()
+    return frozenset(n for n in names if not n.startswith(("loop", "ram", "zram")))
 
 
 def watch_main(pipe: Any, stop: Any) -> None:
