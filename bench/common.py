@@ -272,12 +272,19 @@ def _driver_module(driver: str) -> Any:
     raise ValueError(f"unknown driver {driver!r}")
 
 
-def mysql_connect(database: str | None = None, *, driver: str = "pymysql") -> Any:
+def mysql_connect(
+    database: str | None = None,
+    *,
+    driver: str = "pymysql",
+    host: str | None = None,
+    port: int | None = None,
+) -> Any:
     """A raw DB-API connection with the session settings bagstore uses
-    (autocommit, utf8mb4, UTC, strict sql_mode, ``_binary`` prefix)."""
+    (autocommit, utf8mb4, UTC, strict sql_mode, ``_binary`` prefix); to the
+    bench's MariaDB server unless ``host``/``port`` name another."""
     args: dict[str, Any] = {
-        "host": MYSQL_HOST,
-        "port": MYSQL_PORT,
+        "host": MYSQL_HOST if host is None else host,
+        "port": MYSQL_PORT if port is None else port,
         "user": MYSQL_USER,
         "password": MYSQL_PASSWORD,
         "charset": "utf8mb4",
