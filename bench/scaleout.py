@@ -41,7 +41,12 @@ deletes the source copy):
 - ``SELECT`` + multi-row ``INSERT`` of 500 rows through Python (what a copy
   between two servers has to do).
 
-The baseline runs without the writer: it is the floor, not a competitor.
+The baseline runs without the writer: it is the floor, not a competitor.  On
+MariaDB a third baseline runs WITH the writer (the same ``--rate``): the same
+rows copied and then deleted in the Mover's steps and pauses, by plain SQL
+into that empty database (``raw_paced``): the writer's p99 there is what a
+copy at that pace costs it at the least (no catalog, freeze or fencing, and
+deletes in a table the writer does not write).
 
 After each round: every entity is there once (``ds.count()`` = loaded + the
 writer's new entities), and the index holds one row per entity.
@@ -244,6 +249,91 @@ def raw_copy(side: Side, groups: dict[int, list[int]], method: str) -> Copy:
     return Copy(method, entities, index_rows, t1 - t0, t2 - t1)
 
 
+@dataclass
+class Paced:
+    """The writer's latencies before and during :func:`raw_paced`."""
+
+    before: Lat
+    during: Lat
+    seconds: float
+    steps: int
+
+
+def raw_paced(side: Side, groups: dict[int, list[int]], args: argparse.Namespace) -> Paced:
+    """MariaDB: plain SQL doing a move's copy and delete at the Mover's pace
+    while the same writer runs.  The rows of ``groups``' buckets, read where
+    they are now, are copied into the baseline's empty database in steps of
+    the Mover's batch (``INSERT ... SELECT`` by id, by index key), each step
+    followed by a pause of ``duty`` times its length; then deleted there in
+    steps the same way.  Less than a move: no catalog, no freeze, no fencing,
+    and the deletes hit a table the writer does not write (the Mover's hit
+    the source shard's), so the writer's p99 here is a floor for the goal."""
+    from bagstore.scaleout import DEFAULT_BATCH, DEFAULT_DUTY
+
+    batch = args.batch or DEFAULT_BATCH
+    duty = DEFAULT_DUTY if args.duty is None else args.duty
+    copy: list[tuple[str, list[Any]]] = []
+    delete: list[tuple[str, list[Any]]] = []
+    cur = side.raw.cursor()
+    try:
+        for shard, buckets in groups.items():
+            src = f"`{side.shard_dbs[shard]}`"
+            for b in buckets:
+                cur.execute(f"SELECT id FROM {src}.{KIND} WHERE bucket = %s", [b])
+                ids = [r[0] for r in cur.fetchall()]
+                for n in range(0, len(ids), batch):
+                    part = ids[n : n + batch]
+                    where = f"id IN ({_in(len(part), '%s')})"
+                    copy.append(
+                        (
+                            f"INSERT INTO {KIND} ({ENTITY_COLUMNS}) SELECT {ENTITY_COLUMNS} "
+                            f"FROM {src}.{KIND} WHERE {where}",
+                            part,
+                        )
+                    )
+                    delete.append((f"DELETE FROM {KIND} WHERE {where}", part))
+                cur.execute(
+                    f"SELECT user_id, entity_id FROM {src}.{TABLE} WHERE bagstore_bucket = %s", [b]
+                )
+                keys = cur.fetchall()
+                for n in range(0, len(keys), batch):
+                    part = keys[n : n + batch]
+                    where = " OR ".join(["(user_id = %s AND entity_id = %s)"] * len(part))
+                    flat = [v for k in part for v in k]
+                    copy.append(
+                        (
+                            f"INSERT INTO {TABLE} ({INDEX_COLUMNS}) SELECT {INDEX_COLUMNS} "
+                            f"FROM {src}.{TABLE} WHERE {where}",
+                            flat,
+                        )
+                    )
+                    delete.append((f"DELETE FROM {TABLE} WHERE {where}", flat))
+    finally:
+        cur.close()
+    spec = WriterSpec(
+        "bag", side.backend, side.bag_target, args.rate, side.update_ids, update_share=args.updates
+    )
+    settle(side)
+    with writer(spec) as w:
+        time.sleep(args.settle + args.before)
+        t0 = time.monotonic()
+        for sql, params in copy + delete:
+            started = time.monotonic()
+            side.exec(sql, params)
+            if duty:
+                time.sleep(duty * (time.monotonic() - started))
+        t1 = time.monotonic()
+        time.sleep(0.5)
+        writes = w.stop()
+    side.expected += writes.new_ok
+    return Paced(
+        Lat.of(writes.window(t0 - args.before, t0), args.before),
+        Lat.of(writes.window(t0, t1), t1 - t0),
+        t1 - t0,
+        len(copy) + len(delete),
+    )
+
+
 def _source(side: Side, shard: int) -> str:
     """The source's name in a cross-database statement (SQLite: attached)."""
     if side.backend == "mysql":
@@ -303,6 +393,7 @@ class Round:
     errors: list[str]
     consistent: str
     copies: list[Copy]
+    paced: Paced | None = None  # MariaDB: plain SQL at the Mover's pace, with the writer
 
 
 def counts(side: Side) -> tuple[int, int]:
@@ -410,6 +501,7 @@ def one_round(
     groups = _by(moved, lambda b: placement.shard_of_bucket[b])
     longest_waits = longest.report()  # (before the raw copies' bulk statements)
     copies = [raw_copy(side, groups, m) for m in ("INSERT ... SELECT", "SELECT + INSERT")]
+    paced = raw_paced(side, groups, args) if side.backend == "mysql" else None
     r = Round(
         side.backend,
         label,
@@ -419,6 +511,7 @@ def one_round(
         writes.errors,
         consistent,
         copies,
+        paced,
     )
     log(
         f"  [{side.backend}] round {i + 1} {label}: {stats.buckets} buckets, "
@@ -460,6 +553,13 @@ def one_round(
         log(
             f"    raw {c.method}: {c.entities:,} entities + {c.index_rows:,} index rows copied "
             f"in {c.copy_s:.2f}s, deleted in {c.delete_s:.2f}s"
+        )
+    if paced is not None:
+        log(
+            f"    raw copy + delete at the Mover's pace ({paced.steps:,} steps, "
+            f"{paced.seconds:.1f}s) with the writer: p99 {paced.before.p99 * 1e3:.1f} -> "
+            f"{paced.during.p99 * 1e3:.1f} ms ({paced.during.p99 / paced.before.p99:.2f}x), "
+            f"max {paced.during.max * 1e3:.0f} ms"
         )
     return r, moved
 
@@ -749,6 +849,29 @@ def summary_rows(rounds: Sequence[Round]) -> list[list[str]]:
                     "—",
                     "—",
                     "—",
+                    "—",
+                    "—",
+                    "—",
+                ]
+            )
+        ps = [r.paced for r in rs if r.paced is not None]
+        if ps:
+            out.append(
+                [
+                    "raw copy + delete at the Mover's pace (with writer)",
+                    backend,
+                    "—",
+                    "—",
+                    "—",
+                    f"{_med([p.seconds for p in ps]):.2f}",
+                    "—",
+                    "—",
+                    "—",
+                    "—",
+                    f"{_ms(_med([p.before.p99 for p in ps]))} → "
+                    f"{_ms(_med([p.during.p99 for p in ps]))}",
+                    f"{_med([p.during.p99 / p.before.p99 for p in ps]):.2f}",
+                    f"{_ms(max(p.before.max for p in ps))} → {_ms(max(p.during.max for p in ps))}",
                     "—",
                     "—",
                     "—",
