@@ -41,6 +41,7 @@ __all__ = [
     "mysql_connect",
     "mysql_url",
     "print_table",
+    "rows_of",
     "temp_databases",
 ]
 
@@ -295,6 +296,21 @@ def mysql_connect(
     if database is not None:
         args["database"] = database
     return _driver_module(driver).connect(**args)
+
+
+def rows_of(conn: Any, sql: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
+    """Every row of one statement on a raw DB-API connection (its own cursor).
+    Without ``params`` the text is sent as it is (PyMySQL would read a ``%``
+    in it as a parameter mark even for empty parameters)."""
+    cur = conn.cursor()
+    try:
+        if params is None:
+            cur.execute(sql)
+        else:
+            cur.execute(sql, params)
+        return list(cur.fetchall())
+    finally:
+        cur.close()
 
 
 def mysql_url(database: str, *, driver: str = "pymysql") -> str:

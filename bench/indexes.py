@@ -61,6 +61,7 @@ from bench.common import (
     open_env,
     print_machine,
     print_table,
+    rows_of,
 )
 from bench.core import parse_args, plan_backends
 
@@ -487,15 +488,6 @@ class RawTwoServers:
         for conn, _ in self.servers:
             conn.close()
 
-    @staticmethod
-    def _rows(conn: Any, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
-        cur = conn.cursor()
-        try:
-            cur.execute(sql, params)
-            return list(cur.fetchall())
-        finally:
-            cur.close()
-
     def _scan(self, conn: Any, schemas: list[str], since: int) -> list[tuple[Any, ...]]:
         scan = Scan(
             PUB_INDEX.table,
@@ -508,7 +500,7 @@ class RawTwoServers:
             parts=tuple(schemas),
         )
         sql, params = scan_sql(self.d, scan, schema=schemas[0])
-        return self._rows(conn, sql, params)
+        return rows_of(conn, sql, params)
 
     def _bodies(self, conn: Any, schemas: list[str], ids: list[list[bytes]]) -> list[Any]:
         q, p = self.d.q, self.d.param
@@ -517,7 +509,7 @@ class RawTwoServers:
             for db, some in zip(schemas, ids, strict=True)
             if some
         ]
-        return self._rows(conn, " UNION ALL ".join(parts), [i for some in ids for i in some])
+        return rows_of(conn, " UNION ALL ".join(parts), [i for some in ids for i in some])
 
     def scatter(self, since: int) -> list[dict[str, Any]]:
         jobs = [self.pool.submit(self._scan, c, s, since) for c, s in self.servers]

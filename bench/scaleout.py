@@ -96,6 +96,7 @@ from bench.common import (
     mysql_url,
     print_machine,
     print_table,
+    rows_of,
     temp_databases,
 )
 
@@ -687,27 +688,22 @@ class Longest:
 
     def __init__(self, side: Side) -> None:
         self.side = side
-        self.on = side.backend == "mysql" and bool(self._rows("SELECT @@performance_schema")[0][0])
+        self.on = side.backend == "mysql" and bool(
+            rows_of(side.raw, "SELECT @@performance_schema")[0][0]
+        )
         for _, table in self.SUMMARIES if self.on else ():
             side.exec(f"TRUNCATE TABLE performance_schema.{table}")
-
-    def _rows(self, sql: str) -> list[tuple[Any, ...]]:
-        cur = self.side.raw.cursor()
-        try:
-            cur.execute(sql)
-            return list(cur.fetchall())
-        finally:
-            cur.close()
 
     def report(self) -> list[str]:
         out = []
         for title, table in self.SUMMARIES if self.on else ():
-            rows = self._rows(
+            rows = rows_of(
+                self.side.raw,
                 "SELECT EVENT_NAME, COUNT_STAR, ROUND(MAX_TIMER_WAIT / 1e9), "
                 f"ROUND(SUM_TIMER_WAIT / 1e9) FROM performance_schema.{table} "
                 f"WHERE MAX_TIMER_WAIT > {int(LONGEST_SHOWN * 1e12)} "
                 "AND EVENT_NAME <> 'idle' AND EVENT_NAME NOT LIKE 'wait/synch/cond/%' "  # idle
-                "ORDER BY MAX_TIMER_WAIT DESC"
+                "ORDER BY MAX_TIMER_WAIT DESC",
             )
             shown = f"{LONGEST_SHOWN * 1e3:.0f} ms"
             out.append(f"{title} with one over {shown} (name, count, max ms, total ms):")
