@@ -897,16 +897,17 @@ def test_memory_cache_is_bounded() -> None:
     assert len(cache) < 10
 
 
-def test_bagstore_imports_no_cache_client() -> None:
+def test_bagstore_imports_no_cache_client(tmp_path: Any) -> None:
     code = (
-        "import sys, tempfile, bagstore\n"
-        "ds = bagstore.open(tempfile.mkdtemp(), cache='memory')\n"
+        "import sys, bagstore\n"
+        "ds = bagstore.open(sys.argv[1], cache='memory')\n"
         "ds.get(ds.put({'a': 1})); ds.close()\n"
         "assert 'pymemcache' not in sys.modules and 'redis' not in sys.modules\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.path.join(root, "src")}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+    store = str(tmp_path / "store")
+    subprocess.run([sys.executable, "-c", code, store], check=True, env=env, timeout=60)
 
 
 @pytest.mark.parametrize("point", ["put.after_entity", "put.after_index_delete"])
@@ -932,10 +933,12 @@ def test_a_writer_dying_after_its_commit_leaves_nothing_stale(
     assert ids(user_pub.get_all(r, user_id=b"d1")) == []
 
 
-def test_the_example_in_docs_cache_md_runs() -> None:
+def test_the_example_in_docs_cache_md_runs(tmp_path: Any, monkeypatch: Any) -> None:
     import re
+    import tempfile
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "cache.md").read_text()
     code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (its store lands here)
     exec(compile(code, "docs/cache.md", "exec"), {})

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -638,7 +639,10 @@ def test_fenced_index_insert_refuses_buckets_not_owned(topo: Topology, count: in
     assert backend.count("index_link") == before + count
 
 
-def test_the_examples_in_docs_scaleout_md_run() -> None:
+def test_the_examples_in_docs_scaleout_md_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     text = (Path(__file__).resolve().parent.parent / "docs" / "scaleout.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (its store lands here)
     exec(compile(blocks[0] + blocks[1], "docs/scaleout.md", "exec"), {})
