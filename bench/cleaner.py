@@ -227,9 +227,43 @@ def _server_now() -> str:
             cur.execute(sql)
             out.append(f"  {title}:")
             out += [f"    {row}" for row in cur.fetchall()]
+        cur.execute("SHOW ENGINE INNODB STATUS")
+        out.append("  InnoDB status (its semaphores, background threads, IO and row operations):")
+        out += [f"    {line}" for line in _status_parts(str(cur.fetchone()[2]))]
         return "\n".join(out)
     finally:
         conn.close()
+
+
+#: Sections of SHOW ENGINE INNODB STATUS worth a stalled write's report.
+STATUS_PARTS = (
+    "BACKGROUND THREAD",
+    "SEMAPHORES",
+    "TRANSACTIONS",  # up to its list of transactions: purge's state, history length
+    "FILE I/O",
+    "LOG",
+    "BUFFER POOL AND MEMORY",
+    "ROW OPERATIONS",
+)
+
+
+def _status_parts(text: str) -> list[str]:
+    """The STATUS_PARTS sections of InnoDB's status text, line by line."""
+    lines = text.splitlines()
+    out: list[str] = []
+    keep = False
+
+    def dashes(n: int) -> bool:
+        return 0 <= n < len(lines) and bool(lines[n]) and set(lines[n]) == {"-"}
+
+    for n, line in enumerate(lines):
+        if dashes(n - 1) and dashes(n + 1):  # a section's title
+            keep = line.strip() in STATUS_PARTS
+        if line.startswith("LIST OF TRANSACTIONS"):
+            keep = False
+        if keep and line.strip() and set(line) != {"-"}:
+            out.append(line)
+    return out
 
 
 def _latch_waits(cur: Any) -> list[str]:

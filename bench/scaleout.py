@@ -468,6 +468,7 @@ def one_round(
     settle(side)
     longest = Longest(side)
     watch = Watch()
+    pool_reads = _pool_reads(side)
     with writer(spec) as w, _deleting() as deletes:
         time.sleep(args.settle + args.before)  # the first seconds are not counted
         t0 = time.monotonic()
@@ -489,6 +490,7 @@ def one_round(
             )
             label = "move_buckets out (grace=0)"
         t1 = time.monotonic()
+        pool_reads = _pool_reads(side) - pool_reads
         time.sleep(0.5)
         writes = w.stop()
     samples = watch.stop()
@@ -531,6 +533,7 @@ def one_round(
         f"{rest.p99 * 1e3:.1f} ms"
     )
 
+    log(f"    {io_during(samples, t0, t1, pool_reads)}")
     for line in explain_slow(writes.starts, writes.latencies, samples, t0):
         log(f"    {line}")
     for start, report in writes.stalls:
@@ -591,17 +594,18 @@ SLOW_WRITE = 0.25  # a write this slow is explained in the log
 
 
 #: One sample of the watcher: time, how late it woke, then _machine_counters().
-Sample = tuple[float, float, int, int, int, int, int, int, int, int, int]
+Sample = tuple[float, float, int, int, int, int, int, int, int, int, int, int, int]
 
 
-def _machine_counters() -> tuple[int, int, int, int, int, int, int, int, int]:
+def _machine_counters() -> tuple[int, int, int, int, int, int, int, int, int, int, int]:
     """``(io_some_us, io_full_us, iowait_ticks, steal_ticks, reads, read_ms,
-    writes, write_ms, in_flight)``: the time some task / every task of the
+    writes, write_ms, in_flight, flushes, flush_ms)``: the time some task / every task of the
     machine was stalled on IO (Linux PSI, ``/proc/pressure/io``; -1 where the
     kernel has no PSI); the CPUs' iowait and steal ticks (``/proc/stat``); and,
     summed over the machine's disks (``/proc/diskstats``, whole devices other
     than loop, ram and zram), the reads and writes completed, the time they
-    took, and the requests in flight now."""
+    took, the requests in flight now, and the cache flushes completed (the
+    fsyncs that reach the disk) and the time they took."""
     some = full = -1
     try:
         with open("/proc/pressure/io") as f:
@@ -615,16 +619,29 @@ def _machine_counters() -> tuple[int, int, int, int, int, int, int, int, int]:
         pass
     with open("/proc/stat") as f:
         cpu = f.readline().split()
-    disk = [0] * 5
+    disk = [0] * 7
     disks = _disks()
     with open("/proc/diskstats") as f:
         for line in f:
             col = line.split()
             if col[2] in disks:
-                for n, at in enumerate((3, 6, 7, 10, 11)):
-                    disk[n] += int(col[at])
-    reads, read_ms, writes, write_ms, in_flight = disk
-    return some, full, int(cpu[5]), int(cpu[8]), reads, read_ms, writes, write_ms, in_flight
+                # flushes: the last two of 20 columns (Linux 5.5 and later)
+                for n, at in enumerate((3, 6, 7, 10, 11, 18, 19)):
+                    disk[n] += int(col[at]) if at < len(col) else 0
+    reads, read_ms, writes, write_ms, in_flight, flushes, flush_ms = disk
+    return (
+        some,
+        full,
+        int(cpu[5]),
+        int(cpu[8]),
+        reads,
+        read_ms,
+        writes,
+        write_ms,
+        in_flight,
+        flushes,
+        flush_ms,
+    )
 
 
 @functools.cache
@@ -715,6 +732,31 @@ class Longest:
 LONGEST_SHOWN = 0.1
 
 
+def _pool_reads(side: Side) -> int:
+    """MariaDB: pages InnoDB has read from disk since it started (0 on SQLite)."""
+    if side.backend != "mysql":
+        return 0
+    return int(rows_of(side.raw, "SHOW GLOBAL STATUS LIKE 'Innodb_buffer_pool_reads'")[0][1])
+
+
+def io_during(samples: Sequence[Sample], t0: float, t1: float, pool_reads: int) -> str:
+    """What the disks did from ``t0`` to ``t1`` (the move), from the watcher's
+    samples, and (MariaDB) the pages InnoDB read from disk meanwhile."""
+    inside = [s for s in samples if t0 <= s[0] <= t1]
+    if len(inside) < 2:
+        return "disks during the move: no samples"
+    first, last = inside[0], inside[-1]
+    d = [b - a for a, b in zip(first, last, strict=True)]
+    reads, read_ms, writes, write_ms = d[6], d[7], d[8], d[9]
+    psi = "n/a" if first[2] < 0 else f"{d[2] / 1e3:,.0f} ms"
+    pages = f"; InnoDB read {pool_reads:,} pages from disk" if pool_reads else ""
+    return (
+        f"disks during the move: {reads:,} reads (mean {read_ms / max(reads, 1):.1f} ms), "
+        f"{writes:,} writes (mean {write_ms / max(writes, 1):.1f} ms), {d[11]:,} flushes "
+        f"(mean {d[12] / max(d[11], 1):.1f} ms); some task stalled on IO {psi}{pages}"
+    )
+
+
 def explain_slow(
     starts: Sequence[float],
     latencies: Sequence[float],
@@ -743,10 +785,21 @@ def explain_slow(
             f"an idle process woke up to {late * 1e3:,.0f} ms late; tasks stalled on IO "
             f"{psi}; iowait {d[4]} and steal {d[5]} CPU ticks; the disks completed "
             f"{reads} reads (mean {read_ms / max(reads, 1):.1f} ms) and {writes} writes "
-            f"(mean {write_ms / max(writes, 1):.1f} ms), up to "
-            f"{max(s[10] for s in inside)} requests in flight"
+            f"(mean {write_ms / max(writes, 1):.1f} ms) and {d[11]} flushes (mean "
+            f"{d[12] / max(d[11], 1):.1f} ms, longest sample {_longest_flush(inside, first)}), "
+            f"up to {max(s[10] for s in inside)} requests in flight"
         )
     return lines
+
+
+def _longest_flush(inside: Sequence[Sample], first: Sample) -> str:
+    """The most flush time the disks added within one sample interval (a
+    flush of hundreds of milliseconds shows as that much in one or a few)."""
+    prev, most = first, 0
+    for s in inside:
+        most = max(most, s[12] - prev[12])
+        prev = s
+    return f"{most} ms"
 
 
 def _by(buckets: Sequence[int], key: Callable[[int], int]) -> dict[int, list[int]]:
