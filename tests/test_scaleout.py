@@ -646,3 +646,15 @@ def test_the_examples_in_docs_scaleout_md_run(
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (its store lands here)
     exec(compile(blocks[0] + blocks[1], "docs/scaleout.md", "exec"), {})
+    # the shard-key and directory examples, on a store of their own
+    urls = [f"sqlite:///{tmp_path}/keyed_{i}.db" for i in range(2)]
+    namespace: dict[str, Any] = {"bagstore": bagstore, "urls": urls}
+    exec(compile(blocks[2] + blocks[3], "docs/scaleout.md", "exec"), namespace)
+    photos, posts = namespace["photos"], namespace["posts"]
+    assert namespace["moved"] == 0  # "ann" has no posts yet
+    eid = posts.put({"user_id": "ann", "title": "hello"})  # (in bucket 17 now)
+    assert posts.migrate_key("ann", to_bucket=18) == 1
+    got = posts.get(eid)
+    assert got is not None and got["title"] == "hello"
+    photos.close()
+    posts.close()
