@@ -61,9 +61,11 @@ import multiprocessing
 import os
 import queue
 import random
+import re
 import signal
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -227,12 +229,53 @@ def _server_now() -> str:
             cur.execute(sql)
             out.append(f"  {title}:")
             out += [f"    {row}" for row in cur.fetchall()]
+        if os.environ.get(STACKS_ENV):  # bench.scaleout --stacks
+            out += _server_stacks(cur)
         cur.execute("SHOW ENGINE INNODB STATUS")
         out.append("  InnoDB status (its semaphores, background threads, IO and row operations):")
         out += [f"    {line}" for line in _status_parts(str(cur.fetchone()[2]))]
         return "\n".join(out)
     finally:
         conn.close()
+
+
+#: Set (by ``bench.scaleout --stacks``): a stalled write's report holds the
+#: server's thread stacks, read with gdb (the server must run on this machine).
+STACKS_ENV = "BAGSTORE_BENCH_STACKS"
+
+
+def _server_stacks(cur: Any) -> list[str]:
+    """Every thread of the local ``mariadbd``, its stack as gdb reads it (the
+    functions' names only; ``??`` where the binary has no symbol), threads
+    with the same stack counted together, busiest first."""
+    cur.execute("SELECT @@pid_file")
+    try:
+        with open(str(cur.fetchone()[0])) as f:
+            pid = int(f.read().split()[0])
+        run = subprocess.run(
+            ["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 14"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        return [f"  stacks: not read ({exc})"]
+    stacks: dict[tuple[str, ...], int] = {}
+    frames: list[str] = []
+    for line in [*run.stdout.splitlines(), "Thread"]:
+        if line.startswith("Thread"):
+            if frames:
+                key = tuple(frames)
+                stacks[key] = stacks.get(key, 0) + 1
+            frames = []
+        elif line.startswith("#"):
+            # "#3  0x... in name (args) from lib" or, innermost, "#0  name (args)"
+            m = re.search(r" in ([^\s(]+)", line) or re.match(r"#\d+\s+([^\s(]+)", line)
+            frames.append(m.group(1) if m else "?")
+    out = ["  server threads by stack (count: innermost frame first):"]
+    for key, n in sorted(stacks.items(), key=lambda kv: -kv[1]):
+        out.append(f"    {n}: {' < '.join(key)}")
+    return out
 
 
 #: Sections of SHOW ENGINE INNODB STATUS worth a stalled write's report.

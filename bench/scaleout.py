@@ -88,7 +88,7 @@ from typing import Any
 
 import bagstore
 from bagstore.scaleout import Mover
-from bench.cleaner import STALL_DUMP, Lat, WriterSpec, log, writer
+from bench.cleaner import STACKS_ENV, STALL_DUMP, Lat, WriterSpec, log, writer
 from bench.common import (
     friendfeed_entity,
     mysql_available,
@@ -1043,10 +1043,11 @@ def private_server(args: argparse.Namespace) -> Iterator[None]:
     latches = LATCH_OPTIONS if args.latches else ()
     server = MariaDBServer(extra_options=[*PRIVATE_OPTIONS, *latches, *args.server_option])
     server.start()
-    saved = {
-        k: os.environ.get(k) for k in ("BAGSTORE_BENCH_MYSQL_HOST", "BAGSTORE_BENCH_MYSQL_PORT")
-    }
+    names = ("BAGSTORE_BENCH_MYSQL_HOST", "BAGSTORE_BENCH_MYSQL_PORT", STACKS_ENV)
+    saved = {k: os.environ.get(k) for k in names}
     try:
+        if args.stacks:
+            os.environ[STACKS_ENV] = "1"
         os.environ["BAGSTORE_BENCH_MYSQL_HOST"] = bench.common.MYSQL_HOST = server.host
         os.environ["BAGSTORE_BENCH_MYSQL_PORT"] = str(server.port)
         bench.common.MYSQL_PORT = server.port
@@ -1115,6 +1116,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "and each round lists its longest waits)",
     )
     p.add_argument(
+        "--stacks",
+        action="store_true",
+        help="with --server private: a write stalled 0.4 s also reports the server's "
+        "thread stacks, read with gdb (which pauses the server for a moment)",
+    )
+    p.add_argument(
         "--server-option",
         action="append",
         default=[],
@@ -1126,8 +1133,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rows < 1000 or args.rounds < 1:
         p.error("--rows must be >= 1000 and --rounds >= 1")
-    if (args.latches or args.server_option) and args.server != "private":
-        p.error("--latches and --server-option need --server private")
+    if (args.latches or args.stacks or args.server_option) and args.server != "private":
+        p.error("--latches, --stacks and --server-option need --server private")
     if args.settle < 0 or args.before <= 0:
         p.error("--settle must be >= 0 and --before > 0")
     if not 0.0 <= args.updates <= 1.0:
