@@ -660,3 +660,61 @@ def test_the_examples_in_docs_scaleout_md_run(
     assert got is not None and got["title"] == "hello"
     photos.close()
     posts.close()
+
+
+def test_server_advice_names_too_many_purge_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server running more InnoDB purge threads than half its cores (as
+    thread_pool_size counts them) is named, by the Mover and by the CLI; one
+    that runs few enough is not.  On a mariadbd of the test's own, told it has
+    8 cores (thread_pool_size is not settable at run time without the pool)."""
+    from click.testing import CliRunner
+
+    from bagstore.cli import cli
+
+    try:
+        server = servers.MariaDBServer(extra_options=["--thread-pool-size=8"])
+        server.start()
+    except servers.ServerUnavailable as exc:
+        if servers.in_ci():
+            pytest.fail(f"CI requires this server: {exc}")
+        pytest.skip(str(exc))
+    url = f"mysql://root@{server.host}:{server.port}/{servers.unique_name('advice')}"
+    conn = servers._connect(server.host, server.port, "root", "")
+
+    def purge_threads(n: int) -> None:
+        with conn.cursor() as cur:
+            cur.execute(f"SET GLOBAL innodb_purge_threads = {n}")
+
+    ds = bagstore.Datastore([url], buckets=16)
+    try:
+        purge_threads(4)  # MariaDB's default: fine on 8 cores
+        assert Mover(ds).server_advice() == []
+        purge_threads(5)
+        advice = Mover(ds).server_advice()
+        assert len(advice) == 1
+        assert f"{server.host}:{server.port}" in advice[0]
+        assert "innodb_purge_threads is 5 on a server with 8 cores" in advice[0]
+        assert "SET GLOBAL innodb_purge_threads = 4" in advice[0]
+        (tmp_path / "bagstore.toml").write_text(f'[bagstore]\nshards = ["{url}"]\n')
+        monkeypatch.chdir(tmp_path)
+        listed = CliRunner().invoke(cli, ["shard", "list"])
+        assert listed.exit_code == 0, listed.output
+        assert "innodb_purge_threads is 5" in listed.output
+        purge_threads(1)
+        assert Mover(ds).server_advice() == []
+        listed = CliRunner().invoke(cli, ["shard", "list"])
+        assert listed.exit_code == 0 and "innodb_purge_threads" not in listed.output
+    finally:
+        conn.close()
+        ds.close()
+        server.stop()
+
+
+def test_no_server_advice_for_sqlite(tmp_path: Path) -> None:
+    ds = bagstore.open(str(tmp_path / "store"), shards=2, buckets=16)
+    try:
+        assert Mover(ds).server_advice() == []
+    finally:
+        ds.close()

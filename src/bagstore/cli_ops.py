@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -173,6 +174,7 @@ def shard_list(ctx: click.Context, as_json: bool) -> None:
     out.print(table)
     for bucket, (source, target, phase) in sorted(moves.items()):
         out.print(f"[yellow]unfinished move: bucket {bucket} {source} -> {target} ({phase})[/]")
+    _advise(ds)
 
 
 @shard_group.command("add")
@@ -183,6 +185,12 @@ def shard_add(ctx: click.Context, url: str) -> None:
     with `shard rebalance` or `shard move`."""
     number = _store(ctx).add_shard(url)
     _out().print(f"added shard {number}: {url}")
+
+
+def _advise(ds: bagstore.Datastore) -> None:
+    """Print what the shards' servers should change before buckets move."""
+    for line in bagstore.Mover(ds).server_advice():
+        _out().print(f"[yellow]{escape(line)}[/]")
 
 
 def _move_report(stats: bagstore.MoveStats) -> None:
@@ -227,6 +235,7 @@ def shard_move(
     """Move BUCKETS to a shard while serving (copy, freeze, sync, switch)."""
     to: int | str = int(target) if target.isdigit() else target
     ds = _store(ctx)
+    _advise(ds)
     _move_report(
         ds.move_buckets(list(buckets), to, grace=grace, duty=duty, max_rate=max_rate, batch=batch)
     )
@@ -240,7 +249,9 @@ def shard_rebalance(
     ctx: click.Context, grace: float | None, duty: float, max_rate: float | None, batch: int
 ) -> None:
     """Move buckets until every shard holds an even share."""
-    _move_report(_store(ctx).rebalance(grace=grace, duty=duty, max_rate=max_rate, batch=batch))
+    ds = _store(ctx)
+    _advise(ds)
+    _move_report(ds.rebalance(grace=grace, duty=duty, max_rate=max_rate, batch=batch))
 
 
 @shard_group.command("resume")

@@ -200,6 +200,18 @@ class Mover:
                 return no
         raise ConfigurationError(f"no shard {to!r} in this store (shards: {list(names)})")
 
+    def server_advice(self) -> list[str]:
+        """Settings of the shards' servers that let a move stall live writes
+        (each server once), as sentences for people; empty when none."""
+        seen: set[str] = set()
+        advice: list[str] = []
+        for backend in self.ds._backends:
+            server = backend.server or backend.name  # (embedded: the file)
+            if server not in seen:
+                seen.add(server)
+                advice += backend.server_advice()
+        return advice
+
     # -- moves -----------------------------------------------------------------------
     def move(self, buckets: Sequence[int], to: int | str) -> MoveStats:
         """Move buckets to a shard (a number or a name), one bucket at a time."""

@@ -733,6 +733,11 @@ class Backend(BucketOps, IndexOps):
         each step, from its own thread: take on upkeep that the step's writes
         would otherwise leave to the next live write.  Nothing by default."""
 
+    def server_advice(self) -> list[str]:
+        """Settings of this shard's server that let bulk work (a bucket move, a
+        backfill) stall live writes, as sentences for people.  None by default."""
+        return []
+
 
 #: Fenced inserts of up to this many rows read each row's ownership row by key;
 #: larger ones join a derived table (see ``Dialect._fenced_select``).

@@ -266,6 +266,28 @@ class MySQLBackend(Backend):
         values = [int(x) for x in text.split(",")]
         return values if len(values) == int(count) else None
 
+    def server_advice(self) -> list[str]:
+        # MariaDB runs InnoDB's purge as tasks of a thread pool that keeps two
+        # per core busy; its default of 4 purge tasks fills that pool on a
+        # 2-core server, and a move's deletes then stall writers for seconds
+        # (docs/scaleout.md).  thread_pool_size: the cores MariaDB counted,
+        # unless set (MySQL has no such variable: no advice there).
+        try:
+            rows = self.fetchall("SELECT @@innodb_purge_threads, @@thread_pool_size")
+        except (ShardUnavailable, ShardTimeout):
+            raise
+        except BackendError:  # an unknown variable: not MariaDB
+            return []
+        purge, cores = int(rows[0][0]), int(rows[0][1])
+        if cores < 1 or purge <= max(1, cores // 2):  # (0: set at run time, not counted)
+            return []
+        return [
+            f"{self.server}: innodb_purge_threads is {purge} on a server with {cores} cores "
+            f"(thread_pool_size); InnoDB's purge can then stall writes for seconds while "
+            f"buckets move. Set it to {max(1, cores // 2)} "
+            f"(SET GLOBAL innodb_purge_threads = {max(1, cores // 2)}; see docs/scaleout.md)."
+        ]
+
     def _connect_args(self, database: str | None) -> dict[str, Any]:
         args: dict[str, Any] = {
             "host": self.host,
