@@ -158,7 +158,8 @@ def shard_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def shard_list(ctx: click.Context, as_json: bool) -> None:
-    """Every shard with its buckets and entity count, and unfinished moves."""
+    """Every shard with its buckets and entity count, unfinished moves, and
+    server settings that would let a move stall writers (see docs/scaleout.md)."""
     ds = _store(ctx)
     status = ds.status()
     moves = bagstore.Mover(ds).unfinished()
