@@ -747,13 +747,19 @@ def io_during(samples: Sequence[Sample], t0: float, t1: float, pool_reads: int) 
         return "disks during the move: no samples"
     first, last = inside[0], inside[-1]
     d = [b - a for a, b in zip(first, last, strict=True)]
-    reads, read_ms, writes, write_ms = d[6], d[7], d[8], d[9]
     psi = "n/a" if first[2] < 0 else f"{d[2] / 1e3:,.0f} ms"
     pages = f"; InnoDB read {pool_reads:,} pages from disk" if pool_reads else ""
+    return f"disks during the move: {_disk_work(d)}; some task stalled on IO {psi}{pages}"
+
+
+def _disk_work(d: Sequence[float]) -> str:
+    """The reads, writes and flushes in ``d``, the difference of two samples,
+    with their mean times."""
+    reads, read_ms, writes, write_ms, flushes, flush_ms = d[6], d[7], d[8], d[9], d[11], d[12]
     return (
-        f"disks during the move: {reads:,} reads (mean {read_ms / max(reads, 1):.1f} ms), "
-        f"{writes:,} writes (mean {write_ms / max(writes, 1):.1f} ms), {d[11]:,} flushes "
-        f"(mean {d[12] / max(d[11], 1):.1f} ms); some task stalled on IO {psi}{pages}"
+        f"{reads:,} reads (mean {read_ms / max(reads, 1):.1f} ms), {writes:,} writes "
+        f"(mean {write_ms / max(writes, 1):.1f} ms), {flushes:,} flushes "
+        f"(mean {flush_ms / max(flushes, 1):.1f} ms)"
     )
 
 
@@ -779,15 +785,13 @@ def explain_slow(
         late = max(s[1] for s in inside)
         d = [b - a for a, b in zip(first, last, strict=True)]
         psi = "n/a" if first[2] < 0 else f"{d[2] / 1e3:,.0f} ms (some) / {d[3] / 1e3:,.0f} ms (all)"
-        reads, read_ms, writes, write_ms = d[6], d[7], d[8], d[9]
         lines.append(
             f"slow write at {start - t0:+.1f} s of the move: {lat * 1e3:,.0f} ms; meanwhile "
             f"an idle process woke up to {late * 1e3:,.0f} ms late; tasks stalled on IO "
             f"{psi}; iowait {d[4]} and steal {d[5]} CPU ticks; the disks completed "
-            f"{reads} reads (mean {read_ms / max(reads, 1):.1f} ms) and {writes} writes "
-            f"(mean {write_ms / max(writes, 1):.1f} ms) and {d[11]} flushes (mean "
-            f"{d[12] / max(d[11], 1):.1f} ms, longest sample {_longest_flush(inside, first)}), "
-            f"up to {max(s[10] for s in inside)} requests in flight"
+            f"{_disk_work(d)}, the longest flush time in one sample "
+            f"{_longest_flush(inside, first)}, up to {max(s[10] for s in inside)} requests "
+            "in flight"
         )
     return lines
 

@@ -22,7 +22,7 @@ from bagstore import keys
 from bagstore.scaleout import Mover
 from bagstore.sharding.hashing import bucket_of
 from tests import servers
-from tests.conftest import Topology, _mysql_topology
+from tests.conftest import Topology, _mysql_topology, _need
 
 link_idx = bagstore.Index(table="index_link", properties=["link"], shard_on="link")
 
@@ -673,22 +673,24 @@ def test_server_advice_names_too_many_purge_threads(
 
     from bagstore.cli import cli
 
+    server = servers.MariaDBServer(extra_options=["--thread-pool-size=8"])
     try:
-        server = servers.MariaDBServer(extra_options=["--thread-pool-size=8"])
         server.start()
     except servers.ServerUnavailable as exc:
-        if servers.in_ci():
-            pytest.fail(f"CI requires this server: {exc}")
-        pytest.skip(str(exc))
+        _need(str(exc))
     url = f"mysql://root@{server.host}:{server.port}/{servers.unique_name('advice')}"
-    conn = servers._connect(server.host, server.port, "root", "")
 
     def purge_threads(n: int) -> None:
-        with conn.cursor() as cur:
-            cur.execute(f"SET GLOBAL innodb_purge_threads = {n}")
+        conn = servers._connect(server.host, server.port, "root", "")
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f"SET GLOBAL innodb_purge_threads = {n}")
+        finally:
+            conn.close()
 
-    ds = bagstore.Datastore([url], buckets=16)
+    ds: bagstore.Datastore | None = None
     try:
+        ds = bagstore.Datastore([url], buckets=16)
         purge_threads(4)  # MariaDB's default: fine on 8 cores
         assert Mover(ds).server_advice() == []
         purge_threads(5)
@@ -707,8 +709,8 @@ def test_server_advice_names_too_many_purge_threads(
         listed = CliRunner().invoke(cli, ["shard", "list"])
         assert listed.exit_code == 0 and "innodb_purge_threads" not in listed.output
     finally:
-        conn.close()
-        ds.close()
+        if ds is not None:
+            ds.close()
         server.stop()
 
 
@@ -718,3 +720,23 @@ def test_no_server_advice_for_sqlite(tmp_path: Path) -> None:
         assert Mover(ds).server_advice() == []
     finally:
         ds.close()
+
+
+def test_server_advice_without_the_variables_and_on_other_errors(
+    mysql_main: servers.MySQLAddress, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server without MariaDB's variables (MySQL has no thread_pool_size)
+    gets no advice; any other failure of the same statement is not hidden."""
+    topo = _mysql_topology("advice", [(mysql_main, 1)])
+    try:
+        backend = topo.open(buckets=16)._backends[0]
+        fetchall = backend.fetchall
+        monkeypatch.setattr(  # the real server's answer to a variable it lacks
+            backend, "fetchall", lambda sql, *a: fetchall(sql.replace("thread_pool", "no_such"))
+        )
+        assert backend.server_advice() == []
+        monkeypatch.setattr(backend, "fetchall", lambda sql, *a: fetchall("SELECT * FROM no_such"))
+        with pytest.raises(bagstore.errors.BackendError, match="no_such"):
+            backend.server_advice()
+    finally:
+        topo.close()

@@ -56,6 +56,7 @@ _TIMEOUT = {1205, 3024, 1969}  # lock wait timeout, max_execution_time, statemen
 _DEADLOCK = {1213}
 _DUPLICATE = {1062}
 _UNKNOWN_DATABASE = 1049
+_UNKNOWN_VARIABLE = 1193
 _MEDIUMBLOB_MAX = 16 * 1024 * 1024 - 1
 _ENGINE = "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
 
@@ -274,18 +275,19 @@ class MySQLBackend(Backend):
         # unless set (MySQL has no such variable: no advice there).
         try:
             rows = self.fetchall("SELECT @@innodb_purge_threads, @@thread_pool_size")
-        except (ShardUnavailable, ShardTimeout):
-            raise
-        except BackendError:  # an unknown variable: not MariaDB
-            return []
+        except BackendError as exc:
+            if self._code(exc.__cause__) != _UNKNOWN_VARIABLE:
+                raise
+            return []  # not MariaDB
         purge, cores = int(rows[0][0]), int(rows[0][1])
-        if cores < 1 or purge <= max(1, cores // 2):  # (0: set at run time, not counted)
+        enough = max(1, cores // 2)
+        if cores < 1 or purge <= enough:  # (0: set at run time, not counted)
             return []
         return [
             f"{self.server}: innodb_purge_threads is {purge} on a server with {cores} cores "
             f"(thread_pool_size); InnoDB's purge can then stall writes for seconds while "
-            f"buckets move. Set it to {max(1, cores // 2)} "
-            f"(SET GLOBAL innodb_purge_threads = {max(1, cores // 2)}; see docs/scaleout.md)."
+            f"buckets move. Set it to {enough} "
+            f"(SET GLOBAL innodb_purge_threads = {enough}; see docs/scaleout.md)."
         ]
 
     def _connect_args(self, database: str | None) -> dict[str, Any]:
@@ -371,7 +373,7 @@ class MySQLBackend(Backend):
     def close(self) -> None:
         self._pool.close()
 
-    def _code(self, exc: BaseException) -> int | None:
+    def _code(self, exc: BaseException | None) -> int | None:
         args = getattr(exc, "args", ())
         return args[0] if args and isinstance(args[0], int) else None
 
