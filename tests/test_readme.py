@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,24 +16,84 @@ from tests import servers
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def _blocks() -> list[str]:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    # the FriendFeed example and the MariaDB one need servers the suite starts elsewhere
-    return [b for b in blocks if not any(_needs_server(line) for line in b.splitlines())]
+def _blocks(language: str = "python") -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), re.S)
 
 
-def _needs_server(line: str) -> bool:
-    code = line.split("#", 1)[0]
+def _needs_server(block: str) -> bool:
+    code = "\n".join(line.split("#", 1)[0] for line in block.splitlines())
     return "mysql" in code or "DataStore(" in code
 
 
 def test_the_readme_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    blocks = _blocks()
+    """The blocks that need no server, in order, twice: their stores are made
+    with ``tempfile.mkdtemp()`` (here under ``tmp_path``), so a second run of
+    the same code starts afresh and passes too."""
+    blocks = [b for b in _blocks() if not _needs_server(b)]
     assert len(blocks) >= 4  # the general form, queries, online indexes, errors
-    monkeypatch.chdir(tmp_path)  # bagstore.open("data/") writes here
-    namespace: dict[str, object] = {}
-    exec(compile("\n".join(blocks), str(README), "exec"), namespace)
-    assert (tmp_path / "data").is_dir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # nothing may land in the working directory either
+    for _ in range(2):
+        exec(compile("\n".join(blocks), str(README), "exec"), {})
+    made = sorted(p.name for p in tmp_path.iterdir())
+    assert len(made) == 2 and all(p.startswith("tmp") for p in made), made
+
+
+def test_the_readme_mariadb_examples_run(
+    mysql_main: servers.MySQLAddress,
+    mysql_second: servers.MariaDBServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FriendFeed's example on two servers (the README's 3306 and 3307 are the
+    suite's MariaDB and a second mariadbd; the database a name of its own, from
+    BAGSTORE_MYSQL_DATABASE), then the several-databases-on-one-server block with
+    its ``app_0``/``app_1`` renamed."""
+    friendfeed, one_server = [b for b in _blocks() if _needs_server(b)]
+    m, second = mysql_main, mysql_second
+    database = servers.unique_name("readme_ff")
+    names = [servers.unique_name("readme_app") for _ in range(2)]
+    monkeypatch.setenv("BAGSTORE_MYSQL_DATABASE", database)
+    monkeypatch.setenv("BAGSTORE_MYSQL_USER", m.user)
+    monkeypatch.setenv("BAGSTORE_MYSQL_PASSWORD", m.password)
+    assert '"127.0.0.1:3306", "127.0.0.1:3307"' in friendfeed
+    friendfeed = friendfeed.replace("127.0.0.1:3306", f"{m.host}:{m.port}")
+    friendfeed = friendfeed.replace("127.0.0.1:3307", f"{second.host}:{second.port}")
+    assert one_server.count("root@127.0.0.1:3306/") == 2
+    one_server = one_server.replace(
+        "root@127.0.0.1:3306/", f"{m.user}:{m.password}@{m.host}:{m.port}/"
+    )
+    for n, name in enumerate(names):
+        one_server = one_server.replace(f"/app_{n}", f"/{name}")
+    namespace: dict[str, Any] = {}
+    try:
+        exec(compile(friendfeed, str(README), "exec"), namespace)
+        assert namespace["entity"]["title"] == namespace["new_entity"]["title"]
+        assert [e["id"] for e in namespace["entities"]] == [namespace["new_entity"]["id"]]
+        namespace["datastore"].close()
+        exec(compile(one_server, str(README), "exec"), namespace)
+        ds = namespace["ds"]
+        assert [s.rsplit("/", 1)[1] for s in ds.shards] == names
+        assert ds.put({"n": 1}) and ds.count() == 1
+        ds.close()
+    finally:
+        servers.drop_databases(m.host, m.port, [database, *names], m.user, m.password)
+        servers.drop_databases(second.host, second.port, [database], "root", "")
+
+
+def test_the_readme_toml_is_the_configuration_it_describes(tmp_path: Path) -> None:
+    """The README's bagstore.toml reads as written: two shards, 1024 buckets,
+    the FriendFeed index (no server is contacted to read a configuration)."""
+    from bagstore.config import indexes_from_config, read_config
+
+    (toml,) = _blocks("toml")
+    path = tmp_path / "bagstore.toml"
+    path.write_text(toml)
+    section = read_config(path)
+    assert section["shards"] == ["mysql://app@db1:3306/app_0", "mysql://app@db2:3306/app_1"]
+    assert section["buckets"] == 1024
+    assert [(i.table, i.properties, i.shard_on) for i in indexes_from_config(section)] == [
+        ("index_user_id", ("user_id",), "user_id")
+    ]
 
 
 @pytest.mark.parametrize("name", ["consistency.md", "ids.md", "cleaner.md"])
