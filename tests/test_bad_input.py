@@ -56,7 +56,7 @@ def test_body_over_the_backend_limit_is_refused(seeded: bagstore.Datastore) -> N
     import os
 
     before = _snapshot(seeded)
-    limit = seeded._backends[0].max_body_bytes
+    limit = seeded.max_body_bytes
     with pytest.raises(bagstore.InvalidEntity, match="limit"):
         seeded.put({"blob": os.urandom(limit + 1)})  # random bytes do not compress
     assert _snapshot(seeded) == before
@@ -66,7 +66,7 @@ def test_body_just_under_the_limit_is_stored(topo: Topology) -> None:
     import os
 
     ds = topo.open()
-    size = min(ds._backends[0].max_body_bytes - 1024, 4 * 1024 * 1024)
+    size = min(ds.max_body_bytes - 1024, 4 * 1024 * 1024)
     blob = os.urandom(size)
     entity_id = ds.put({"blob": blob})
     assert ds.get(entity_id) == {"blob": blob, "id": entity_id}

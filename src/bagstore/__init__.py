@@ -11,8 +11,11 @@ with secondary indexes that are added and dropped online.
 
 from __future__ import annotations
 
+import logging
+
 from bagstore import testing
 from bagstore.cleaner import Cleaner, CleanStats
+from bagstore.codec import MAX_BODY_BYTES
 from bagstore.datastore import DataStore, Datastore, open
 from bagstore.errors import (
     BackendError,
@@ -37,7 +40,12 @@ from bagstore.scaleout import Mover, MoveStats
 
 __version__ = "0.1.0"
 
+# The library logs under "bagstore.<module>" and prints nothing; an application
+# that configures no logging sees nothing (docs/configuration.md, "Logging").
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
 __all__ = [
+    "MAX_BODY_BYTES",
     "BackendError",
     "BagstoreError",
     "BagstoreIndexError",

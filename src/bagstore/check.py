@@ -8,6 +8,11 @@ compared with the rows each shard's index table holds:
 * *stale*: a row that no entity accounts for (its entity is gone, no longer has
   that value, or the row sits on the wrong shard).
 
+A bucket in an unfinished bucket move is read once, from the shard that owns it
+(see :mod:`bagstore.owners`): the other copy's entities and index rows (the
+target's before the switch, the source's after it) are neither counted nor
+reported; the mover makes or deletes them.
+
 The check reads every entity and every index row: it is a tool for tests,
 operators and the Cleaner, not for a request path.  It holds the expected rows
 of one index in memory at a time.
@@ -15,11 +20,14 @@ of one index in memory at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec
 from bagstore.backends.indexsql import Scan
+from bagstore.names import clashes
+from bagstore.owners import unfinished_moves
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
@@ -54,30 +62,56 @@ def iter_index_rows(backend: Backend, index: Index) -> Iterator[tuple[bytes, ...
         scan.after = rows[-1]
 
 
-def check(ds: Datastore) -> dict[str, Any]:
-    """The report ``Datastore.check()`` returns (see its docstring)."""
+def check(ds: Datastore, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """The report ``Datastore.check()`` returns (see its docstring).
+
+    ``progress(done, total)`` is called every ``PAGE`` entities read: each
+    index reads every entity, so ``total`` is the kind's entity count times the
+    number of indexes checked.
+    """
     registry = ds.registry(refresh=True)
-    report: dict[str, Any] = {"missing": 0, "stale": 0, "indexes": {}}
+    report: dict[str, Any] = {"missing": 0, "stale": 0, "indexes": {}, "clashes": _clashes(ds)}
+    ds.refresh_placement(force=True)
+    moves = unfinished_moves(ds)  # copies that are not their bucket's owner's: unseen
     shards = range(len(ds._backends))
-    for index in registry.maintained():
+    maintained = registry.maintained()
+    total = ds.count() * len(maintained) if progress is not None and maintained else 0
+    done, lock = [0], threading.Lock()
+
+    def advance(n: int) -> None:
+        if progress is not None and n:
+            with lock:
+                done[0] += n
+                progress(done[0], max(total, done[0]))
+
+    for index in maintained:
         expected: list[set[tuple[bytes, ...]]] = [set() for _ in shards]
 
-        def collect(backend: Backend, index: Index = index) -> list[tuple[int, tuple[bytes, ...]]]:
+        def collect(shard: int, index: Index = index) -> list[tuple[int, tuple[bytes, ...]]]:
             out = []
+            read = 0
+            backend = ds._backends[shard]
+            unseen = moves.ids_on(backend, shard, ds.kind)
             for _, entity_id, body, _ in iter_entities(backend, ds.kind):
-                entity = codec.decode(body)
+                entity = codec.decode(body) if entity_id not in unseen else None
                 for row in index.rows_or_none(entity, entity_id, ds.placement.buckets):
                     out.append((ds.placement.shard_of_bucket[row.bucket], (*row.keys, entity_id)))
+                read += 1
+                if read == PAGE:
+                    advance(read)
+                    read = 0
+            advance(read)
             return out
 
-        for part in ds._map(collect, ds._backends):
+        for part in ds._map(collect, shards):
             for shard, row in part:
                 expected[shard].add(row)
 
-        def held(backend: Backend, index: Index = index) -> set[tuple[bytes, ...]]:
-            return set(iter_index_rows(backend, index))
+        def held(shard: int, index: Index = index) -> set[tuple[bytes, ...]]:
+            backend = ds._backends[shard]
+            return set(iter_index_rows(backend, index)) - moves.index_rows_on(backend, shard, index)
 
-        actual = ds._map(held, ds._backends)
+        actual = ds._map(held, shards)
         missing = [(s, r) for s in shards for r in expected[s] - actual[s]]
         stale = [(s, r) for s in shards for r in actual[s] - expected[s]]
         report["indexes"][index.table] = {
@@ -98,3 +132,21 @@ def check(ds: Datastore) -> dict[str, Any]:
         report["missing"] += len(missing)
         report["stale"] += len(stale)
     return report
+
+
+def _clashes(ds: Datastore) -> list[dict[str, Any]]:
+    """Names the catalog records that meet another's (bagstore.names), and this
+    kind's indexes whose table on some shard is not theirs: each set aside."""
+    found = clashes(ds.catalog.kinds(), ds._index_catalog.all_entries())
+    named = {c["name"] for c in found}
+    for table in sorted(ds._clashing - named):
+        found.append(
+            {
+                "name": table,
+                "sort": "index",
+                "kind": ds.kind,
+                "with": "a table of that name, not this index's, on some shard",
+                "remedy": f"bagstore index rename {table} NEW_NAME (kind {ds.kind})",
+            }
+        )
+    return found

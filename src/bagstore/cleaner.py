@@ -25,7 +25,10 @@ that changed meanwhile, so it never leaves a stale row of its own behind.
 should have with the rows that point at it (found through the ``entity_id`` key
 of every index table, on every shard): missing rows are written, stale ones
 deleted, and entities that changed during the pass are reconciled again.  A
-sweep over the index tables then removes rows whose entity no longer exists.
+sweep over the index tables then removes rows whose entity no longer exists
+(and unique rows whose entity no longer holds the value).  A unique row goes
+only when the claim rules let its value be taken over, and a bucket in an
+unfinished move is read from its owner's copy only (see :mod:`bagstore.owners`).
 ``follow()`` repeats repair from the last time it saw, so what a crash left is
 found again within seconds.
 
@@ -43,25 +46,30 @@ larger ones; see docs/cleaner.md for measured trade-offs.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec
+from bagstore.backends.base import Stored
 from bagstore.backends.indexsql import IndexRow
+from bagstore.backends.pool import long_statements
 from bagstore.catalog import Checkpoints
 from bagstore.check import iter_index_rows
 from bagstore.errors import ConfigurationError
 from bagstore.index import BUILDING, READY, Index
+from bagstore.logs import ProgressLog, rate
+from bagstore.owners import Moves, drop_dead_claims, unfinished_moves
+from bagstore.throttle import Throttle, check_pacing
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
-    from bagstore.backends.base import Stored
     from bagstore.datastore import Datastore
 
 __all__ = ["CleanStats", "Cleaner", "Throttle"]
@@ -70,10 +78,13 @@ Progress = Callable[[int, int], None]
 #: Seconds between a backfill worker's checkpoints (each one is a catalog write).
 CHECKPOINT_EVERY = 1.0
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class CleanStats:
-    """What a Cleaner run did: index rows written and removed, entities read."""
+    """What a Cleaner run did: index rows written and removed, entities read,
+    and how long it took (every wait included, a backfill's settle too)."""
 
     written: int = 0
     removed: int = 0
@@ -92,69 +103,6 @@ class CleanStats:
             "entities": self.entities,
             "seconds": round(self.seconds, 3),
         }
-
-
-@dataclass
-class Throttle:
-    """Adaptive pauses between batches (one per worker thread).
-
-    ``duty``: pause this fraction of each batch's duration at least.  When the
-    time per row, smoothed over the last few batches, rises over three times its
-    usual value, the database is busy: the pause doubles (up to ``max_pause``);
-    it shrinks back as batches speed up.  The usual value drops to any new low
-    at once and follows rises slowly (1% of the difference a batch), so that
-    inserts growing slower with the size of the tables over a long backfill are
-    not taken for a busy database, while live traffic that suddenly slows the
-    batches down is.  (Smoothed, because one slow batch is usually a thread
-    waiting for the interpreter lock or the CPU, not a busy database.)
-    ``max_rate`` caps rows per second.  ``adaptive=False`` leaves out the
-    per-row backoff, for work whose steps vary in size (a bucket move's last
-    step of a bucket may hold a few rows, whose time per row says nothing about
-    the database).
-    """
-
-    max_rate: float | None = None
-    duty: float = 0.5
-    max_pause: float = 1.0
-    adaptive: bool = True
-    usual: float | None = None
-    smooth: float | None = None
-    extra: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-    rows: int = 0
-
-    def pause_after(self, rows: int, seconds: float) -> float:
-        """The pause owed after a batch of ``rows`` that took ``seconds``."""
-        self.rows += rows
-        if rows and self.adaptive:
-            per_row = seconds / rows
-            smooth = per_row if self.smooth is None else 0.75 * self.smooth + 0.25 * per_row
-            usual = smooth if self.usual is None else self.usual
-            self.usual = min(smooth, usual + 0.01 * (smooth - usual))
-            self.smooth = smooth
-            if smooth > 3 * self.usual:
-                self.extra = min(self.max_pause, max(2 * self.extra, seconds))
-            else:
-                self.extra /= 2
-        pause = seconds * self.duty + self.extra
-        if self.max_rate:
-            ahead = self.rows / self.max_rate - (time.monotonic() - self.started)
-            pause = max(pause, ahead)
-        return min(pause, self.max_pause) if not self.max_rate else pause
-
-
-def check_pacing(batch: int, duty: float, max_rate: float | None) -> None:
-    """Raise ConfigurationError unless these are valid settings of bulk work
-    (the Cleaner's, the Mover's): ``batch`` rows a step, ``duty`` and
-    ``max_rate`` as :class:`Throttle` takes them."""
-    if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 10_000:
-        raise ConfigurationError(f"batch must be from 1 to 10000, not {batch!r}")
-    if not isinstance(duty, int | float) or isinstance(duty, bool) or not 0 <= duty <= 10:
-        raise ConfigurationError(f"duty must be a number from 0 to 10, not {duty!r}")
-    if max_rate is not None and (
-        not isinstance(max_rate, int | float) or isinstance(max_rate, bool) or max_rate <= 0
-    ):
-        raise ConfigurationError(f"max_rate must be a positive number, not {max_rate!r}")
 
 
 class Cleaner:
@@ -189,6 +137,9 @@ class Cleaner:
         self._stop = threading.Event()
         self._gates: dict[str, threading.Lock] = {}
         self._gates_lock = threading.Lock()
+        #: copies that unfinished bucket moves hide (see bagstore.owners), as
+        #: last read: repair neither reads nor deletes them
+        self._moves = Moves()
 
     def stop(self) -> None:
         """Ask a running backfill or follow() to stop after its current batch."""
@@ -224,7 +175,8 @@ class Cleaner:
         holding it: the server's next batch starts after the pause."""
         with self._gate(backend):
             t0 = time.monotonic()
-            rows = batch()
+            with long_statements():  # bulk_timeout, not read_timeout
+                rows = batch()
             if rows is not None:
                 self._stop.wait(throttle.pause_after(rows, time.monotonic() - t0))
             return rows
@@ -276,7 +228,10 @@ class Cleaner:
             return backend.rows_of_entities(index.table, index.properties, ids)
 
         found = self.ds._map(on, self.ds._backends)
-        return [(s, r) for s, rows in enumerate(found) for r in rows]
+        moves = self._moves
+        return [
+            (s, r) for s, part in enumerate(found) for r in part if not moves.hides(s, r.bucket)
+        ]
 
     def _delete(self, index: Index, rows: Iterable[tuple[int, IndexRow]]) -> int:
         grouped: dict[int, list[IndexRow]] = defaultdict(list)
@@ -302,11 +257,11 @@ class Cleaner:
         if state not in (BUILDING, READY):
             raise ConfigurationError(f"index {table!r} is {state}: nothing to backfill")
         self._stop.clear()
+        started = time.monotonic()  # the settle wait counts in stats.seconds
         registered = self.ds._index_catalog.changed(table) or 0
         wait = registered / 1e6 + self.settle - time.time()
         if wait > 0 and state == BUILDING:
             self._stop.wait(wait)
-        started = time.monotonic()
         shards = range(len(self.ds._backends))
         names = [self._checkpoint_name(index, s) for s in shards]
         starts = [self.checkpoints.get(n) or 0 for n in names]
@@ -314,8 +269,18 @@ class Cleaner:
         total = sum(max(0, e - s) for s, e in zip(starts, ends, strict=True))
         done = [0]
         lock = threading.Lock()
+        what = f"backfill of index {table} (kind {self.ds.kind})"
+        log.info(
+            "%s: starting, about %d entities to read on %d shards%s",
+            what,
+            total,
+            len(shards),
+            " (resuming from checkpoints)" if any(starts) else "",
+        )
+        logged = ProgressLog(log, what, total)
 
         def advance(n: int) -> None:
+            logged.advance(n)
             with lock:
                 done[0] += n
                 if progress is not None:
@@ -330,12 +295,18 @@ class Cleaner:
             shards,
         )
         stats.seconds = time.monotonic() - started
+        counts = (
+            f"{stats.entities} entities read, {stats.written} rows written, {stats.removed} "
+            f"taken back in {stats.seconds:.1f}s ({rate(stats.entities, stats.seconds)})"
+        )
         if self._stop.is_set():
+            log.info("%s: stopped after %s; it resumes from its checkpoints", what, counts)
             return stats
         now = time.time_ns() // 1000
         self.ds._index_catalog.set_state(table, READY, now, expect=BUILDING)
         self.checkpoints.clear(self._checkpoint_name(index, None))
         self.ds.registry(refresh=True)
+        log.info("%s: done, %s; the index is ready", what, counts)
         return stats
 
     def _checkpoint_name(self, index: Index, shard: int | None) -> str:
@@ -367,6 +338,7 @@ class Cleaner:
             if position[0] != saved[0] and (force or now - saved[1] >= CHECKPOINT_EVERY):
                 self.checkpoints.set(checkpoint, position[0])
                 saved[:] = [position[0], now]
+                log.debug("checkpoint %s: added_id %d", checkpoint, position[0])
 
         def one_batch() -> int | None:
             after = position[0]
@@ -375,7 +347,10 @@ class Cleaner:
                 return None
             wanted: dict[bytes, set[IndexRow]] = {}
             stamp: dict[bytes, int] = {}
+            unseen = unfinished_moves(self.ds).ids_on(backend, shard, self.ds.kind)
             for _, entity_id, body, updated in batch:
+                if entity_id in unseen:  # a copy that is not its bucket owner's
+                    continue
                 wanted[entity_id] = index.rows_or_none(codec.decode(body), entity_id, self._buckets)
                 stamp[entity_id] = updated
             stats.written += self._insert(index, (r for rows in wanted.values() for r in rows))
@@ -424,30 +399,59 @@ class Cleaner:
         return self._delete(index, stale)
 
     # -- repair --------------------------------------------------------------------
-    def repair(self, since: int | None = None, *, sweep: bool = True) -> CleanStats:
+    def repair(
+        self, since: int | None = None, *, sweep: bool = True, progress: Progress | None = None
+    ) -> CleanStats:
         """One pass over every building or ready index: write missing rows, delete
         stale ones, most recently updated entities first.
 
         ``since`` (microseconds since the epoch) limits the pass to entities
         updated since then; ``sweep`` also removes rows whose entity is gone
-        (a scan of every index table).
+        (a scan of every index table); ``progress(done, total)`` is called
+        after each batch (``total``: the kind's entities when the pass began).
         """
         started = time.monotonic()
         indexes = self.ds.registry(refresh=True).maintained()
+        self.ds.refresh_placement(force=True)  # a stale owner would make live rows look stale
         stats = CleanStats()
         if indexes:
             shards = range(len(self.ds._backends))
+            total = self.ds.count() if progress is not None else 0
+            done, lock = [0], threading.Lock()
+
+            def advance(n: int) -> None:
+                with lock:
+                    done[0] += n
+                    if progress is not None:
+                        progress(done[0], max(total, done[0]))
+
             stats = self._parallel(
-                lambda s: self._repair_shard(indexes, s, since, len(shards)), shards
+                lambda s: self._repair_shard(indexes, s, since, len(shards), advance), shards
             )
             if sweep:
                 for index in indexes:
                     stats.removed += self._sweep(index)
         stats.seconds = time.monotonic() - started
+        # INFO when the pass changed something (follow() runs a pass a second)
+        log.log(
+            logging.INFO if stats.written or stats.removed else logging.DEBUG,
+            "repair pass (kind %s%s): %d entities read, %d rows written, %d removed in %.1fs",
+            self.ds.kind,
+            "" if since is None else f", updated since {since}",
+            stats.entities,
+            stats.written,
+            stats.removed,
+            stats.seconds,
+        )
         return stats
 
     def _repair_shard(
-        self, indexes: Sequence[Index], shard: int, since: int | None, shards: int
+        self,
+        indexes: Sequence[Index],
+        shard: int,
+        since: int | None,
+        shards: int,
+        advance: Callable[[int], None],
     ) -> CleanStats:
         backend = self.ds._backends[shard]
         throttle = self._throttle(shards)
@@ -458,12 +462,16 @@ class Cleaner:
             batch = backend.scan_recent(self.ds.kind, position[0], since, self.batch)
             if not batch:
                 return None
-            bodies = {entity_id: (body, updated) for _, entity_id, body, updated in batch}
-            written, removed = self._reconcile(indexes, backend, bodies)
+            # A bucket in an unfinished move is reconciled from its owner's copy only.
+            self._moves = seen = unfinished_moves(self.ds)
+            unseen = seen.ids_on(backend, shard, self.ds.kind)
+            bodies = {i: (body, updated) for _, i, body, updated in batch if i not in unseen}
+            written, removed = self._reconcile(indexes, backend, bodies, seen=seen)
             stats.written += written
             stats.removed += removed
             stats.entities += len(batch)
             position[0] = (batch[-1][3], batch[-1][0])
+            advance(len(batch))
             return len(batch)
 
         while not self._stop.is_set():
@@ -477,6 +485,7 @@ class Cleaner:
         backend: Backend,
         bodies: dict[bytes, tuple[bytes, int]],
         depth: int = 0,
+        seen: Moves | None = None,
     ) -> tuple[int, int]:
         """Make the rows of these entities (on ``backend``) match their bodies."""
         ids = list(bodies)
@@ -489,12 +498,17 @@ class Cleaner:
                     expected.add((self._shard_of(row), row))
             actual = set(self._rows_of(index, ids))
             written += self._insert(index, (r for _, r in expected - actual))
-            removed += self._delete(index, actual - expected)
+            if index.unique:  # a claim goes only as the claim rules allow
+                stored = {i: Stored(b, 0, u) for i, (b, u) in bodies.items()}
+                removed += self._drop_claims(index, actual - expected, stored)
+            else:
+                removed += self._delete(index, actual - expected)
         # Entities that changed meanwhile: reconcile them again from their new body.
         now = backend.versions(self.ds.kind, ids)
-        changed = [i for i in ids if i not in now or now[i][1] != bodies[i][1]]
+        left = self._left_behind(backend, ids, seen) if seen is not None else set()
+        changed = [i for i in ids if i not in now or now[i][1] != bodies[i][1] or i in left]
         if changed and depth < 3:
-            current = backend.get_bodies(self.ds.kind, changed)
+            current = backend.get_bodies(self.ds.kind, [i for i in changed if i not in left])
             again = {i: (s.body, s.updated) for i, s in current.items()}
             w, r = self._reconcile(indexes, backend, again, depth + 1) if again else (0, 0)
             written, removed = written + w, removed + r
@@ -530,25 +544,52 @@ class Cleaner:
             out.setdefault(shard, {})[entity_id] = stored
         return out
 
+    def _drop_claims(
+        self, index: Index, rows: Iterable[tuple[int, IndexRow]], stored: dict[bytes, Stored]
+    ) -> int:
+        """Delete the unique rows among ``rows`` whose claims are dead (see
+        :func:`bagstore.owners.drop_dead_claims`)."""
+        removed, tried = drop_dead_claims(self.ds, index, rows, stored)
+        if tried:
+            self.ds._cache.rows_repaired(index, tried, self.ds.registry())
+        return removed
+
+    def _left_behind(self, backend: Backend, ids: Sequence[bytes], seen: Moves) -> set[bytes]:
+        """Ids of a batch whose bucket's copy on ``backend`` stopped being the
+        owner's while the batch was reconciled (a move switched): reconciled
+        again from the owner's body (``seen``: the moves when the batch was read)."""
+        shard = self.ds._backends.index(backend)
+        self._moves = later = unfinished_moves(self.ds)
+        new = later.hidden.get(shard, frozenset()) - seen.hidden.get(shard, frozenset())
+        if not new:
+            return set()
+        return set(ids) & Moves({shard: new}).ids_on(backend, shard, self.ds.kind)
+
     def _remove_rows_of(self, indexes: Sequence[Index], ids: Sequence[bytes]) -> int:
         """Delete every row of entities that no longer exist."""
         if not ids:
             return 0
         removed = 0
         for index in indexes:
-            removed += self._delete(index, self._rows_of(index, ids))
+            rows = self._rows_of(index, ids)
+            if index.unique:
+                removed += self._drop_claims(index, rows, {})
+            else:
+                removed += self._delete(index, rows)
         return removed
 
     def _sweep(self, index: Index) -> int:
-        """Remove rows whose entity does not exist (left by a crash in delete).
+        """Remove rows whose entity does not exist (left by a crash in delete);
+        of a unique index, also rows whose entity no longer holds the value.
 
-        Unique indexes are left alone: a claim is written before its entity, so
-        a row without an entity may be a write in flight; such a claim is taken
-        over when another entity wants the value.
+        A unique row goes only when the claim rules would let another entity
+        take it over (:func:`bagstore.owners.claim_is_dead`): a claim is written
+        before its entity, so a row without its entity may be a write in flight
+        until the lease runs out.  Copies hidden by unfinished moves are left
+        to the mover.
         """
-        if index.unique:
-            return 0
         removed = 0
+        self._moves = unfinished_moves(self.ds)
         for shard, backend in enumerate(self.ds._backends):
             page: list[tuple[bytes, ...]] = []
             for row in iter_index_rows(backend, index):
@@ -564,11 +605,17 @@ class Cleaner:
             return 0
         ids = list(dict.fromkeys(r[-1] for r in rows))
         present = self.ds._fetch_many(ids)
-        gone = [i for i in ids if i not in present]
+        gone = ids if index.unique else [i for i in ids if i not in present]
         if not gone:
             return 0
-        backend = self.ds._backends[shard]
-        orphans = [r for r in backend.rows_of_entities(index.table, index.properties, gone)]
+        backend, moves = self.ds._backends[shard], self._moves
+        orphans = [
+            r
+            for r in backend.rows_of_entities(index.table, index.properties, gone)
+            if not moves.hides(shard, r.bucket)
+        ]
+        if index.unique:
+            return self._drop_claims(index, [(shard, r) for r in orphans], present)
         return backend.delete_index_rows(index.table, index.properties, orphans)
 
     def follow(

@@ -44,8 +44,10 @@ Both checksums mean that a corrupt, truncated or foreign body raises ``InvalidEn
 rather than decoding to something else (a flipped bit that zstd ignores, such as the
 frame header's unused bit, decodes to the very same entity).
 
-Size limits are not the codec's job: the backend enforces them.  The functions are
-safe to call from many threads at once (packers and zstd contexts are per thread).
+The codec does not limit sizes: the datastore refuses an encoded body over
+:data:`MAX_BODY_BYTES` (or the store's ``max_body_bytes``) on every backend alike.
+The functions are safe to call from many threads at once (packers and zstd contexts
+are per thread).
 
     >>> decode(encode({"a": 1}))
     {'a': 1}
@@ -66,12 +68,22 @@ import zstandard
 
 from bagstore.errors import InvalidEntity
 
+#: The largest encoded body (after compression) a store accepts by default, on
+#: every backend: 8 MiB less 64 KiB.  A MariaDB/MySQL shard receives a body in a
+#: statement's text, escaped to up to twice its size (PyMySQL sends hex), so this
+#: is what a server's default 16 MiB ``max_allowed_packet`` carries with room for
+#: the statement around it (docs/configuration.md, "The largest entity").  A store
+#: may set its own (``Datastore(max_body_bytes=...)``); opening refuses a MySQL
+#: shard whose ``max_allowed_packet`` could not carry it.
+MAX_BODY_BYTES = 8 * 1024 * 1024 - 64 * 1024
+
 __all__ = [
     "COMPRESS_THRESHOLD",
     "EXT_BIGINT",
     "EXT_DATETIME",
     "FORMAT_MSGPACK",
     "FORMAT_MSGPACK_ZSTD",
+    "MAX_BODY_BYTES",
     "MAX_DEPTH",
     "ZSTD_LEVEL",
     "decode",

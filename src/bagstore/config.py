@@ -14,6 +14,7 @@ A sharded MariaDB/MySQL store::
     sequence_servers = ["mysql://app@ids1:3306/ids", "mysql://app@ids2:3306/ids"]  # optional
     buckets = 1024                                         # fixed at creation
     kind = "entities"
+    read_timeout = 30                                      # seconds (MySQL shards)
 
     [[bagstore.index]]
     table = "index_user_id"
@@ -39,6 +40,7 @@ __all__ = ["load_config", "read_config"]
 _KNOWN = {
     "path", "shards", "catalog", "buckets", "kind", "shard_key", "shard_map", "index", "mysql_user",
     "mysql_password", "mysql_database", "sqlite_synchronous", "sequence_servers",
+    "connect_timeout", "read_timeout", "write_timeout", "bulk_timeout", "max_body_bytes",
 }  # fmt: skip
 
 
@@ -53,6 +55,10 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigurationError(
             f"config file {os.fspath(path)!r} is not valid TOML: {exc}"
         ) from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8
+        raise ConfigurationError(
+            f"config file {os.fspath(path)!r} is not UTF-8 text: byte {exc.start} ({exc.reason})"
+        ) from None
     section = doc.get("bagstore")
     if not isinstance(section, dict):
         raise ConfigurationError(f"config file {os.fspath(path)!r} has no [bagstore] table")
@@ -92,7 +98,9 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Datastore:
     options: dict[str, Any] = {
         k: section[k]
         for k in ("catalog", "buckets", "kind", "shard_key", "shard_map", "mysql_user",
-                  "mysql_password", "mysql_database", "sqlite_synchronous", "sequence_servers")
+                  "mysql_password", "mysql_database", "sqlite_synchronous", "sequence_servers",
+                  "connect_timeout", "read_timeout", "write_timeout", "bulk_timeout",
+                  "max_body_bytes")
         if k in section
     }  # fmt: skip
     options.update(overrides)

@@ -9,17 +9,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from bagstore import codec, testing
+from bagstore import codec, suggest, testing
 from bagstore.backends import (
     Backend,
     EntityRow,
@@ -29,11 +30,14 @@ from bagstore.backends import (
     open_backend,
 )
 from bagstore.backends.base import TOGETHER_MAX_IDS, read_bodies_together
+from bagstore.backends.pool import in_long_statements, long_statements
 from bagstore.cache import open_layer
 from bagstore.cache import request as _request
 from bagstore.cache.request import _current as _current_request
+from bagstore.cache.shared import CatalogCell
 from bagstore.catalog import Catalog, IndexCatalog, Placement, check_stamps
 from bagstore.errors import (
+    BackendError,
     BagstoreError,
     ConfigurationError,
     IndexNotReady,
@@ -42,11 +46,13 @@ from bagstore.errors import (
     KeyMigrating,
     NoIndexForQuery,
     Retryable,
+    ShardTimeout,
     StalePlacement,
 )
 from bagstore.ids import new_id
 from bagstore.index import BUILDING, READY, RETIRED, Index, Registry
 from bagstore.indexer import Change, Claim, Indexer
+from bagstore.names import check_new_index, check_new_kind
 from bagstore.query import (
     Plan,
     QueryResult,
@@ -66,6 +72,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 SQLITE_SHARD_FILE = "shard_{}.db"
+
+log = logging.getLogger(__name__)
 
 #: Set in the threads of a datastore's pool: work they fan out runs in place,
 #: since waiting on the same (bounded) pool from inside it can deadlock.
@@ -91,6 +99,8 @@ class Datastore:
     ``shards`` is a list of URLs (``sqlite:///...``, ``mysql://...``, or
     ``host:port``); ``catalog`` an optional URL for the metadata (default: the
     first shard); ``kind`` the entities table this object reads and writes.
+    ``max_body_bytes`` (default :data:`bagstore.MAX_BODY_BYTES`) is the largest
+    encoded body ``put`` accepts, the same on every backend.
     A Datastore is safe to share between threads.
     """
 
@@ -106,7 +116,12 @@ class Datastore:
         mysql_user: str | None = None,
         mysql_password: str | None = None,
         mysql_database: str | None = None,
+        connect_timeout: float | None = None,
+        read_timeout: float | None = None,
+        write_timeout: float | None = None,
+        bulk_timeout: float | None = None,
         sqlite_synchronous: str = "NORMAL",
+        max_body_bytes: int | None = None,
         max_workers: int | None = None,
         parallel: bool | None = None,
         refresh_interval: float = 5.0,
@@ -128,7 +143,19 @@ class Datastore:
         if not urls:
             raise ConfigurationError("a datastore needs at least one shard URL")
         self.kind = check_identifier(kind, "kind")
-        defaults = MySQLDefaults(mysql_user, mysql_password, mysql_database)
+        self.max_body_bytes = _body_limit(max_body_bytes)
+        defaults = MySQLDefaults(
+            mysql_user,
+            mysql_password,
+            mysql_database,
+            # MySQL shards' timeouts (seconds; None: the default; docs/configuration.md)
+            {
+                "connect_timeout": connect_timeout,
+                "read_timeout": read_timeout,
+                "write_timeout": write_timeout,
+                "bulk_timeout": bulk_timeout,
+            },
+        )
         self._backends: list[Backend] = [
             open_backend(u, mysql=defaults, sqlite_synchronous=sqlite_synchronous) for u in urls
         ]
@@ -179,6 +206,9 @@ class Datastore:
                 self.catalog.set_meta("owned_init", "1")
             if shard_key is not None:
                 check_identifier(shard_key, "shard_key")
+            known = self.catalog.kinds()
+            if self.kind not in known:  # a new kind: its name must be free (bagstore.names)
+                check_new_kind(self.kind, known, IndexCatalog(self._catalog_backend).all_entries())
             recorded = self.catalog.register_kind(self.kind, shard_key or "", shard_map)
             if recorded != (shard_key or "", shard_map):
                 raise ConfigurationError(
@@ -190,6 +220,7 @@ class Datastore:
                 ensure_limits = getattr(b, "ensure_limits", None)
                 if ensure_limits is not None:
                     ensure_limits()
+                    self._check_body_capacity(b)
         except BaseException:
             self.close()
             raise
@@ -204,12 +235,18 @@ class Datastore:
         self._registry = Registry()
         self._registry_at = 0.0
         self._tables_ready: set[str] = set()
+        #: registered indexes whose table on some shard is not theirs (a kind's,
+        #: from a store made before bagstore.names): neither written nor read
+        self._clashing: set[str] = set()
         self._indexer = Indexer(self, unique_lease)
         self._direct_reads = False
         try:
             # level 1 always, level 2 when `cache` names one (see bagstore.cache)
             self._cache = open_layer(
-                cache, prefix=cache_prefix or f"bs:{self.placement.store_id}:{self.kind}:"
+                cache,
+                prefix=cache_prefix or f"bs:{self.placement.store_id}:{self.kind}:",
+                cell=CatalogCell(self._catalog_backend),  # the store's shared cache state
+                store=self.placement.store_id,
             )
             self._direct_reads = self._cache.cache is None and not self._placer.keyed
             declared = self._check_declared(indexes)
@@ -230,6 +267,19 @@ class Datastore:
         from bagstore.config import load_config
 
         return load_config(path)
+
+    def _check_body_capacity(self, backend: Backend) -> None:
+        """Refuse a shard whose server could not store a body of ``max_body_bytes``
+        (MySQL: its ``max_allowed_packet``)."""
+        if backend.max_body_bytes < self.max_body_bytes:
+            raise ConfigurationError(
+                f"shard {backend.name} stores bodies of at most {backend.max_body_bytes} "
+                "bytes (what its server's max_allowed_packet carries, at most a MEDIUMBLOB), "
+                f"under this store's max_body_bytes "
+                f"of {self.max_body_bytes}: raise the server's max_allowed_packet to at least "
+                f"{2 * self.max_body_bytes + 64 * 1024}, or give max_body_bytes="
+                f"{backend.max_body_bytes} or less"
+            )
 
     # -- routing ---------------------------------------------------------------
     def _open_shard(self, name: str) -> Backend:
@@ -265,12 +315,26 @@ class Datastore:
                 return self.placement
             placement = self.catalog.read_placement()
             self._count("full_reads")
-            for name in placement.shard_names[len(self._backends) :]:
+            opened = placement.shard_names[len(self._backends) :]
+            for name in opened:
                 backend = self._open_shard(name)
                 backend.ensure_kind(self.kind)
                 self._backends.append(backend)
             self._parallel = self._fan_out()
+            old = self.placement
             self._take_placement(placement)
+            moved = sum(
+                a != b for a, b in zip(old.shard_of_bucket, placement.shard_of_bucket, strict=True)
+            )
+            if moved or opened:
+                log.info(
+                    "placement refreshed (version %d to %d): %d buckets on other shards, "
+                    "%d shards added",
+                    old.version,
+                    placement.version,
+                    moved,
+                    len(opened),
+                )
             return placement
 
     def _refresh_refused(self, buckets: Iterable[int]) -> None:
@@ -283,6 +347,11 @@ class Datastore:
         the next timed refresh still reads the whole placement."""
         wanted = sorted(set(buckets))
         self._count("refused")
+        log.info(
+            "a shard refused a write to bucket(s) %s: this process's placement was out of "
+            "date; refreshing it and writing again",
+            ", ".join(map(str, wanted[:16])) + (" ..." if len(wanted) > 16 else "") or "?",
+        )
         if wanted and len(wanted) <= 16:
             self._count("bucket_reads")
             if self._learn_buckets(self.catalog.shards_of(wanted)):
@@ -351,6 +420,8 @@ class Datastore:
                 return results
             if migrating:
                 now = time.monotonic()
+                if deadline is None:
+                    log.info("a bucket is frozen by a move: waiting up to %gs", self._freeze_wait)
                 deadline = deadline or now + self._freeze_wait
                 if now >= deadline:
                     raise last
@@ -373,6 +444,8 @@ class Datastore:
                 self._refresh_refused(exc.buckets)
             except KeyMigrating:
                 now = time.monotonic()
+                if deadline is None:
+                    log.info("a bucket is frozen by a move: waiting up to %gs", self._freeze_wait)
                 deadline = deadline or now + self._freeze_wait
                 if now >= deadline:
                     raise
@@ -418,6 +491,8 @@ class Datastore:
             if first is not None:
                 raise first
             return results
+        if in_long_statements():  # bulk work stays bulk work in the pool's threads
+            fn = long_statements()(fn)
         futures = [self._pool().submit(fn, x) for x in items]
         # Wait for every shard before raising: no work may still be running
         # (and committing) after the caller has seen the error.
@@ -448,18 +523,27 @@ class Datastore:
             for _, definition, state in self._index_catalog.entries(self.kind)
         ]
         for index, state in entries:
-            if state != RETIRED and index.table not in self._tables_ready:
+            if state != RETIRED and index.table not in self._tables_ready | self._clashing:
                 self._create_index_tables(index)
+        # An index whose table is a kind's (bagstore.names) is left out: check()
+        # reports it, rename_index() replaces it.
+        entries = [(i, s) for i, s in entries if i.table not in self._clashing]
         self._registry = Registry(entries)
         self._registry_at = time.monotonic()
         return self._registry
 
-    def _create_index_tables(self, index: Index) -> None:
-        self._map(
+    def _create_index_tables(self, index: Index) -> bool:
+        """Create the index's tables; False if a shard holds another table of
+        that name (nothing is written to it: the index is set aside)."""
+        made = self._map(
             lambda b: b.ensure_index_table(index.table, index.properties, index.unique),
             self._backends,
         )
+        if not all(made):
+            self._clashing.add(index.table)
+            return False
         self._tables_ready.add(index.table)
+        return True
 
     def registry(self, *, refresh: bool = False) -> Registry:
         """This kind's indexes and states, re-read every ``refresh_interval`` seconds
@@ -493,45 +577,60 @@ class Datastore:
                     f"{index!r}: retire and drop it first, or choose another table name"
                 )
             return state
-        self._create_index_tables(index)
+        check_new_index(
+            index.table, self.kind, self.catalog.kinds(), self._index_catalog.all_entries()
+        )
+        if not self._create_index_tables(index):
+            self._clashing.discard(index.table)
+            raise ConfigurationError(
+                f"index table {index.table!r} (kind {self.kind!r}): a table of that name that "
+                "is not this index's exists on a shard; choose another table name"
+            )
         now = time.time_ns() // 1000
         self._index_catalog.register(index.table, self.kind, index.to_json(), BUILDING, now)
         self._cache.index_changed(index.table)
         if not any(self._map(lambda b: b.has_rows(self.kind), self._backends)):
             self._index_catalog.set_state(index.table, READY, now, expect=BUILDING)
-        return self.registry(refresh=True).state(index.table) or BUILDING
+        state = self.registry(refresh=True).state(index.table) or BUILDING
+        log.info("index %s registered on kind %s: %s", index.table, self.kind, state)
+        return state
 
     def set_index_state(self, table: str, state: str) -> None:
         """Move an index along its life cycle (``ready`` / ``retired``)."""
         if state not in (BUILDING, READY, RETIRED):
             raise ConfigurationError(f"unknown index state {state!r}")
-        if self.registry(refresh=True).state(table) is None:
+        if all(n != table for n, _, _ in self._index_catalog.entries(self.kind)):
             raise ConfigurationError(f"no index {table!r} on kind {self.kind!r}")
         self._index_catalog.set_state(table, state, time.time_ns() // 1000)
         self._cache.index_changed(table)
         self.registry(refresh=True)
+        log.info("index %s of kind %s: %s", table, self.kind, state)
 
     def retire_index(self, table: str) -> None:
         """Stop maintaining an index (queries on it raise IndexNotReady)."""
         self.set_index_state(table, RETIRED)
 
+    @long_statements()  # statements wait bulk_timeout (a large table's DROP)
     def drop_index(self, table: str) -> None:
-        """Drop a retired index's tables on every shard and forget it."""
-        state = self.registry(refresh=True).state(table)
-        if state is None:
-            raise ConfigurationError(f"no index {table!r} on kind {self.kind!r}")
-        if state != RETIRED:
-            raise ConfigurationError(f"index {table!r} is {state}: retire it before dropping it")
+        """Drop a retired index's tables on every shard and forget it.
 
-        def drop(b: Backend) -> None:
-            b.drop_index_table(table)
-            b.after_bulk_step()  # freeing a large table's pages is bulk work too
+        Only a table the catalog records as this index's, with exactly its
+        columns, is dropped: a name that is also a kind's (a store made before
+        :mod:`bagstore.names`) loses only its index registration."""
+        from bagstore.rename import forget_index
 
-        self._map(drop, self._backends)
-        self._index_catalog.remove(table)
-        self._tables_ready.discard(table)
-        self._cache.index_changed(table)
-        self.registry(refresh=True)
+        forget_index(self, table)
+
+    def rename_index(self, old: str, new: str, *, settle: float | None = None) -> str:
+        """Replace index ``old`` by the same index under table name ``new``
+        (built and backfilled, then ``old`` forgotten); return ``new``'s state.
+
+        The way out of a name clash (``check()["clashes"]``): a table that is
+        a kind's is never dropped nor written.  ``settle``: as for the Cleaner.
+        """
+        from bagstore.rename import rename_index
+
+        return rename_index(self, old, new, settle=settle)
 
     # -- writes ------------------------------------------------------------------
     def _row(self, entity: object) -> tuple[EntityRow, bool]:
@@ -545,13 +644,12 @@ class Datastore:
         else:
             entity_id = _check_id(entity["id"], InvalidEntity)
             body = codec.encode(entity)
-        bucket = self._placer.entity_bucket(entity, entity_id)
-        backend = self._backends[self._shard_of_bucket[bucket]]
-        if len(body) > backend.max_body_bytes:
+        if len(body) > self.max_body_bytes:
             raise InvalidEntity(
-                f"entity {entity_id.hex()} is {len(body)} bytes encoded, over the "
-                f"{backend.max_body_bytes}-byte limit of shard {backend.name}"
+                f"entity {entity_id.hex()} is {len(body)} bytes encoded, over the store's "
+                f"limit of {self.max_body_bytes} bytes (max_body_bytes)"
             )
+        bucket = self._placer.entity_bucket(entity, entity_id)
         row = EntityRow(entity_id, bucket, time.time_ns() // 1000, body)
         return row, fresh
 
@@ -605,35 +703,58 @@ class Datastore:
         # marks a write still in flight (see Indexer._claim).
         now = time.time_ns() // 1000
         rows = [replace(row, updated=now) for row, _ in last.values()]
+        stamps: dict[bytes, int] = {}  # the `updated` of the rows replaced
         try:
             versions: dict[bytes, int] = {}  # new versions, for the cache's markers
             olds = self._route(
                 rows,
                 lambda r: r.bucket,
                 lambda b, part: b.put_entities(
-                    self.kind, part, read_old=bool(indexes), versions=versions
+                    self.kind, part, read_old=bool(indexes), versions=versions, stamps=stamps
                 ),
             )
-        except Exception:
+        except Exception as exc:
             # Some shards may have committed: give back only the claims whose
-            # entity does not hold the value now.
-            self._indexer.release_unheld(claimed)
+            # entity does not hold the value now.  Not after a timeout (reading
+            # a hung shard would make the caller wait twice; the claims lapse
+            # after unique_lease), and never hiding the write's own error.
+            if claimed and not isinstance(exc, ShardTimeout):
+                with suppress(BackendError):
+                    self._indexer.release_unheld(claimed)
             raise
         old_bodies: dict[bytes, bytes] = {}
         for part in olds:
             old_bodies.update(part)
         if moved:
-            for i, body in self._delete_at(moved, read_old=bool(indexes)).items():
+            moved_stamps: dict[bytes, int] = {}
+            gone = self._delete_at(moved, read_old=bool(indexes), stamps=moved_stamps)
+            for i, body in gone.items():
                 if body is not None and i not in old_bodies:
                     old_bodies[i] = body
+                    stamps[i] = moved_stamps[i]
         testing.hit("put.after_entity")
         self._cache.puts_committed(rows, versions, self._fetch_many)
         if indexes:
+            # A unique row this put removes goes only if claimed no later than
+            # this put's stamp (nor the replaced body's): a writer of this
+            # entity that committed after this one and regained the value
+            # re-stamps the row after its commit (Indexer.apply;
+            # docs/consistency.md, "Writers of the same entity at once").
+            made = {c.row: c.at for c in claimed}
             changes: list[Change] = []
             for entity_id in last:
                 body = old_bodies.get(entity_id)
                 old = codec.decode(body) if body is not None else None
-                changes += Indexer.diff(indexes, new_rows[entity_id], old, entity_id, self._buckets)
+                changes += Indexer.diff(
+                    indexes,
+                    new_rows[entity_id],
+                    old,
+                    entity_id,
+                    self._buckets,
+                    stamp=now,
+                    old_stamp=stamps.get(entity_id),
+                    made=made,
+                )
             self._indexer.apply(changes, failpoint="put.after_index_delete")
             self._cache.rows_written(changes, claimed, self.registry())
         for entity, (row, fresh) in zip(entities, prepared, strict=True):
@@ -656,8 +777,12 @@ class Datastore:
         indexes = self.registry().maintained()
         where = {i: b for b, part in self._placer.group(ids).items() for i in part}
         versions: dict[bytes, int] = {}
+        stamps: dict[bytes, int] = {}  # the deleted rows' `updated` (see _put)
         self._cache.before_write(list(where))
-        done = self._delete_at(list(where.items()), read_old=bool(indexes), versions=versions)
+        now = time.time_ns() // 1000  # this delete's stamp (see _put's unique rows)
+        done = self._delete_at(
+            list(where.items()), read_old=bool(indexes), versions=versions, stamps=stamps
+        )
         self._placer.forget(list(where))
         found = done
         if found:
@@ -667,7 +792,15 @@ class Datastore:
             changes: list[Change] = []
             for entity_id, body in found.items():
                 old = codec.decode(body) if body is not None else None
-                changes += Indexer.diff(indexes, {}, old, entity_id, self._buckets)
+                changes += Indexer.diff(
+                    indexes,
+                    {},
+                    old,
+                    entity_id,
+                    self._buckets,
+                    stamp=now,
+                    old_stamp=stamps.get(entity_id),
+                )
             self._indexer.apply(changes)
             self._cache.rows_written(changes, (), self.registry())
         return len(found)
@@ -769,9 +902,11 @@ class Datastore:
         *,
         read_old: bool,
         versions: dict[bytes, int] | None = None,
+        stamps: dict[bytes, int] | None = None,
     ) -> dict[bytes, bytes | None]:
         """Delete ``(id, bucket)`` entities (fenced); ``{id: old body}`` of those found
-        (and their versions into ``versions``, if given)."""
+        (and their versions into ``versions``, their ``updated`` into ``stamps``,
+        if given)."""
 
         def work(backend: Backend, part: list[tuple[bytes, int]]) -> dict[bytes, bytes | None]:
             return backend.delete_entities(
@@ -780,6 +915,7 @@ class Datastore:
                 [b for _, b in part],
                 read_old=read_old,
                 versions=versions,
+                stamps=stamps,
             )
 
         found: dict[bytes, bytes | None] = {}
@@ -825,8 +961,10 @@ class Datastore:
         if state is None:
             raise NoIndexForQuery(
                 f"index {index.table!r} is not registered on kind {self.kind!r}: declare it in "
-                "indexes=[...] or run `bagstore index add`",
+                f"indexes=[...] or run `{suggest.command_for(index)}`",
                 suggestion=repr(index),
+                index=index,
+                command=suggest.command_for(index),
             )
         registered = registry.by_table[index.table][0]
         if registered is not index and registered != index:
@@ -898,13 +1036,17 @@ class Datastore:
                 index=building[0],
                 state=BUILDING,
             )
-        raise _no_index(parsed, order)
+        taken = [name for name, *_ in self._index_catalog.all_entries()]
+        raise suggest.no_index(parsed, order, taken=[*taken, *self.catalog.kinds()])
 
+    @long_statements()  # reads every row: statements wait bulk_timeout
     def check(self) -> dict[str, Any]:
         """Report index rows missing and stale, per index; changes nothing.
 
         Returns ``{"missing": n, "stale": m, "indexes": {table: {"state",
-        "missing", "stale", "examples"}}}`` over every building or ready index.
+        "missing", "stale", "examples"}}, "clashes": [...]}`` over every building
+        or ready index; ``clashes`` lists names that meet another's (an index
+        named like a kind's table, see :mod:`bagstore.names`), each with its remedy.
         """
         from bagstore.check import check
 
@@ -1075,14 +1217,29 @@ class Datastore:
     def shards(self) -> tuple[str, ...]:
         return tuple(b.name for b in self._backends)
 
+    @long_statements()  # a COUNT(*) of a large table: bulk_timeout
     def count(self) -> int:
-        """Entities of this kind over all shards."""
-        return sum(self._map(lambda b: b.count(self.kind), self._backends))
+        """Entities of this kind over all shards: a bucket in an unfinished move
+        counts once, on the shard that owns it (see :mod:`bagstore.owners`)."""
+        return sum(self._counts())
+
+    def _counts(self) -> list[int]:
+        """Entities of this kind per shard, each bucket counted on its owner only."""
+        from bagstore.owners import unfinished_moves
+
+        moves = unfinished_moves(self)
+
+        def on(shard: int) -> int:
+            backend = self._backends[shard]
+            n = backend.count(self.kind)
+            return n - len(moves.ids_on(backend, shard, self.kind)) if moves else n
+
+        return self._map(on, range(len(self._backends)))
 
     def status(self) -> dict[str, Any]:
         """Shards, buckets per shard and entity counts (one query per shard); for
         SQLite files, the library's version and whether it has the WAL-reset bug."""
-        counts = self._map(lambda b: b.count(self.kind), self._backends)
+        counts = self._counts()
         embedded = any(b.dialect.name == "sqlite" for b in self._backends)
         return {
             "kind": self.kind,
@@ -1161,19 +1318,15 @@ def _sqlite_library() -> dict[str, Any]:
     return {"version": sqlite3.sqlite_version, "wal_reset_bug": has_wal_reset_bug()}
 
 
-def _no_index(filters: Sequence[Any], order: str | None) -> NoIndexForQuery:
-    eq = sorted({f.prop for f in filters if f.op in ("eq", "in")})
-    ranged = sorted({f.prop for f in filters if f.op not in ("eq", "in")})
-    tail = ranged or ([order.lstrip("-")] if order and order.lstrip("-") not in eq else [])
-    props = eq + tail[:1]
-    suggestion = (
-        f"Index(table='index_{'_'.join(props)}', properties={props!r}, shard_on={props[0]!r})"
-    )
-    note = " (a query ranges over one property only)" if len(ranged) > 1 else ""
-    return NoIndexForQuery(
-        f"no ready index answers this query; one that would: {suggestion}{note}",
-        suggestion=suggestion,
-    )
+def _body_limit(value: object) -> int:
+    """``max_body_bytes`` checked (None: :data:`bagstore.MAX_BODY_BYTES`)."""
+    if value is None:
+        return codec.MAX_BODY_BYTES
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 10**9:
+        raise ConfigurationError(  # 10**9: SQLite's own longest value
+            f"max_body_bytes must be a number of bytes from 1 to 1000000000, not {value!r}"
+        )
+    return value
 
 
 def _attempt(

@@ -11,7 +11,8 @@ Every error bagstore raises derives from :class:`BagstoreError`::
         NoIndexForQuery               no declared index can answer; names the one that would
       BackendError                    wraps the driver's error (``raise ... from exc``)
         ShardUnavailable              the shard's server cannot be reached
-        ShardTimeout                  the shard did not answer in time (lock wait, timeout)
+        ShardTimeout                  the shard did not answer in time (lock wait, timeout):
+                                      a write may or may not have been applied
         DuplicateValue                a unique index already holds the value
       Retryable                       the operation may succeed if simply tried again
         KeyMigrating                  the key's bucket is being moved or migrated
@@ -29,6 +30,8 @@ written: nothing stored changes.  Driver exceptions are translated in one place,
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "BackendError",
@@ -81,11 +84,17 @@ class IndexNotReady(BagstoreIndexError):
 
 
 class NoIndexForQuery(BagstoreIndexError):
-    """No index can answer the query; ``suggestion`` describes one that would."""
+    """No index can answer the query; ``suggestion`` describes one that would
+    (``Index(...)``), ``index`` is that :class:`~bagstore.Index` (None when not
+    known) and ``command`` the ``bagstore index add ...`` line that registers it."""
 
-    def __init__(self, message: str, *, suggestion: str = "") -> None:
+    def __init__(
+        self, message: str, *, suggestion: str = "", index: Any = None, command: str = ""
+    ) -> None:
         super().__init__(message)
         self.suggestion = suggestion
+        self.index = index
+        self.command = command
 
 
 class BackendError(BagstoreError):
@@ -101,7 +110,16 @@ class ShardUnavailable(BackendError):
 
 
 class ShardTimeout(BackendError):
-    """The shard did not answer in time (lock wait timeout, busy database)."""
+    """The shard did not answer in time: a lock wait timeout, a locked SQLite
+    file, no free connection, or a server that did not answer within the
+    timeouts (docs/configuration.md).
+
+    When a statement's answer did not come, its connection is closed and the
+    outcome is unknown: **a write may or may not have been applied** (its
+    commit may have reached the server).  bagstore never retries such a write
+    by itself; read the entity back before writing it again.  A new connection
+    that timed out sent nothing.
+    """
 
 
 class DuplicateValue(BackendError):

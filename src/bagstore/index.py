@@ -27,6 +27,7 @@ from bagstore import keys
 from bagstore.backends import check_identifier
 from bagstore.backends.indexsql import RESERVED, IndexRow
 from bagstore.errors import ConfigurationError, InvalidEntity
+from bagstore.names import RESERVED_PREFIX, check_name
 from bagstore.sharding.hashing import bucket_of
 
 if TYPE_CHECKING:
@@ -48,6 +49,9 @@ class Index:
     ``properties`` are indexed in order (a query gives equality on a prefix of
     them, then an optional range on the next); ``shard_on`` (default: the first
     property) must be one of them; ``unique=True`` allows one entity per value.
+    ``table`` follows the naming rules of :mod:`bagstore.names` (at most 40
+    characters, no ``__``, not starting with ``bagstore_``; the catalog also
+    refuses a name a kind or another index already uses).
     ``isolate_key`` (optional, one of the properties) narrows the cache scope of
     a query that gives it by equality besides the ``shard_on`` value (Yupoo's
     isolate key: a write to one album leaves the cached pages of the user's other
@@ -63,12 +67,17 @@ class Index:
         shard_on: str | None = None,
         unique: bool = False,
         isolate_key: str | None = None,
+        *,
+        _stored: bool = False,
     ) -> None:
         check_identifier(table, "index table name")
-        if table.startswith("bagstore_"):
+        if table.lower().startswith(RESERVED_PREFIX):
             raise ConfigurationError(
-                f"index table name {table!r}: the bagstore_ prefix is reserved"
+                f"index table name {table!r}: the {RESERVED_PREFIX} prefix is reserved "
+                "for bagstore's own tables"
             )
+        if not _stored:  # definitions read from the catalog keep the rules of their day
+            check_name(table, "index table name")
         if isinstance(properties, str) or not isinstance(properties, Sequence):
             raise ConfigurationError(f"index {table!r}: properties must be a list of names")
         props = tuple(properties)
@@ -126,7 +135,7 @@ class Index:
     @classmethod
     def from_json(cls, text: str) -> Index:
         try:
-            return cls(**json.loads(text))
+            return cls(**json.loads(text), _stored=True)
         except (TypeError, ValueError) as exc:
             raise ConfigurationError(f"bad index definition in the catalog: {text!r}") from exc
 

@@ -4,7 +4,13 @@ After an entity's transaction commits, the rows for values that went away are
 deleted and rows for new values inserted, grouped per shard, shards in
 parallel.  These writes are not atomic with the entity: a crash between them
 leaves rows missing or stale, which reads tolerate (they re-check) and the
-Cleaner repairs.
+Cleaner repairs.  So do two writers of one entity when the first one's index
+changes land after the second one's: nothing orders them (docs/consistency.md,
+"Writers of the same entity at once").  Except on unique indexes: a writer
+deletes a unique row only if it was not claimed after its own stamp (nor after
+the replaced body's), and a writer that regains a value, another writer of the
+entity having come between its claim and its commit, re-stamps the row after
+that commit, so that the earlier writer's late delete leaves it alone.
 
 Unique indexes are claimed *before* the entity is written: inserting the row is
 the claim; a row held by another entity is taken over only when that entity no
@@ -17,12 +23,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec, testing
 from bagstore.backends.indexsql import IndexRow
 from bagstore.errors import DuplicateValue
+from bagstore.owners import unfinished_moves
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
@@ -39,12 +46,19 @@ class Change:
     index: Index
     delete: set[IndexRow]
     insert: set[IndexRow]
+    #: Unique indexes: delete only rows claimed at or before this time (µs:
+    #: the later of the writer's stamp and the replaced body's; None:
+    #: whatever their claim).
+    bound: int | None = None
 
 
 @dataclass(frozen=True)
 class Claim:
+    """A unique row to claim; ``at``: when it was claimed (µs, 0 until then)."""
+
     index: Index
     row: IndexRow
+    at: int = 0
 
 
 class Indexer:
@@ -65,52 +79,81 @@ class Indexer:
         old: Mapping[str, Any] | None,
         entity_id: bytes,
         buckets: int,
+        *,
+        stamp: int | None = None,
+        old_stamp: int | None = None,
+        made: Mapping[IndexRow, int] | None = None,
     ) -> list[Change]:
         """Rows to delete (old values gone) and insert (new values) per index.
-        Unique rows to insert are left out: their claims inserted them."""
+
+        ``stamp``: this write's stamp, taken before its commit; ``old_stamp``:
+        the ``updated`` of ``old``; ``made``: the unique rows this write newly
+        claimed, with their claim times.  On a unique index the rows to delete
+        carry the later of the two stamps as their bound (see :class:`Change`),
+        and the rows to insert are those to re-stamp (their claims wrote them
+        before the entity; see :meth:`apply`): the values gained over ``old``
+        whose claims show that another writer of the entity may have come
+        between this write's claim and its commit — the claim found the row
+        already the entity's, or ``old`` was stamped at or after the claim.  A
+        value gained without a race is not re-stamped (a put that changes no
+        unique value, or gains one alone, costs nothing more)."""
         changes = []
+        made = made or {}
+        stamps = [t for t in (stamp, old_stamp) if t is not None]
+        bound = max(stamps) if stamps else None
         for index in indexes:
             before = index.rows_or_none(old, entity_id, buckets)
             after = new_rows.get(index.table, set())
-            insert = set() if index.unique else after - before
+            insert = after - before
+            if index.unique:
+                insert = {
+                    r
+                    for r in insert
+                    if r not in made or (old_stamp is not None and old_stamp >= made[r])
+                }
             delete = before - after
             if insert or delete:
-                changes.append(Change(index, delete, insert))
+                changes.append(Change(index, delete, insert, bound if index.unique else None))
         return changes
 
     # -- unique claims -------------------------------------------------------------
     def claim_all(self, wanted: Sequence[Claim]) -> list[Claim]:
-        """Claim every unique row; return the claims this call newly made.
+        """Claim every unique row; return the claims this call newly made (with
+        their ``at``), not those that were their entity's already.
 
         On ``DuplicateValue`` the claims made so far are released first.
         """
         made: list[Claim] = []
         try:
             for c in wanted:
-                if self._claim(c):
-                    made.append(c)
+                at = self._claim(c)
+                if at is not None:
+                    made.append(replace(c, at=at))
         except Exception:
             self.release(made)
             raise
         return made
 
-    def _claim(self, c: Claim) -> bool:
-        """True if newly claimed, False if it was this entity's already."""
+    def _claim(self, c: Claim) -> int | None:
+        """The claim's time if newly claimed, None if it was this entity's already."""
         return self.ds._fenced(lambda: self._claim_on(c, self.ds._backends[self._shard_no(c.row)]))
 
     def _shard_no(self, row: IndexRow) -> int:
         return self.ds._shard_of_bucket[row.bucket]
 
-    def _claim_on(self, c: Claim, backend: Backend) -> bool:
+    def _claim_on(self, c: Claim, backend: Backend) -> int | None:
         cols = c.index.properties
         for _ in range(10):
             now = time.time_ns() // 1000
             seen = backend.claim(c.index.table, cols, c.row, now)
             if seen is None:
-                return True
+                return now
             owner, claimed = seen
             if owner == c.row.entity_id:
-                return False
+                return None
+            # Read the owner where its bucket is now: a killed move leaves an
+            # old copy where a placement read before the switch still looks.
+            unfinished_moves(self.ds)
             stored = self.ds._fetch_stored(owner)
             owner_has_it = False
             if stored is not None:
@@ -129,7 +172,7 @@ class Indexer:
                     shard=backend.name,
                 )
             if backend.take_over(c.index.table, cols, c.row, owner, claimed, now):
-                return True
+                return now
         raise DuplicateValue(
             f"unique index {c.index.table!r}: the value kept changing owner; try again",
             shard=backend.name,
@@ -153,31 +196,50 @@ class Indexer:
         self.release(unheld)
 
     def release(self, claims: Sequence[Claim]) -> None:
-        """Give back claims (rows still owned by their entity only)."""
-        self._run([(c.index, c.row) for c in claims], "delete")
+        """Give back claims: rows still owned by their entity and not claimed
+        again since (by another writer of the same entity, whose claim counts
+        on the row)."""
+        self._run([(c.index, c.row, c.at or None) for c in claims], "delete")
 
     # -- applying changes ----------------------------------------------------------
     def apply(self, changes: Sequence[Change], *, failpoint: str | None = None) -> None:
-        """Delete stale rows, then insert new ones; shards in parallel."""
-        self._run([(ch.index, r) for ch in changes for r in ch.delete], "delete")
+        """Delete stale rows, then insert new ones; shards in parallel.
+
+        Called after the entity's commit.  On a unique index a row is deleted
+        only if claimed at or before its change's ``bound``, and a row to
+        insert is re-stamped instead (``claimed`` set to now, after the commit;
+        inserted again if gone): the bound of a writer of the same entity that
+        committed before this one is a stamp taken before that commit, so its
+        late delete of the row leaves it alone."""
+        self._run([(ch.index, r, ch.bound) for ch in changes for r in ch.delete], "delete")
         if failpoint is not None:
             testing.hit(failpoint)
-        self._run([(ch.index, r) for ch in changes for r in ch.insert], "insert")
+        self._run([(ch.index, r, None) for ch in changes for r in ch.insert], "insert")
 
-    def _run(self, items: list[tuple[Index, IndexRow]], op: str) -> None:
-        """Insert (fenced by bucket ownership) or delete rows, grouped per shard
+    def _run(self, items: list[tuple[Index, IndexRow, int | None]], op: str) -> None:
+        """Insert (fenced by bucket ownership; unique rows re-stamped) or delete
+        rows (unique rows with a bound: see :meth:`apply`), grouped per shard
         and per index."""
         if not items:
             return
 
-        def on_shard(backend: Backend, part: list[tuple[Index, IndexRow]]) -> None:
-            per_index: dict[str, tuple[Index, list[IndexRow]]] = {}
-            for index, row in part:
-                per_index.setdefault(index.table, (index, []))[1].append(row)
-            for index, rows in per_index.values():
-                if op == "insert":
-                    backend.insert_index_rows(index.table, index.properties, rows, fenced=True)
+        def on_shard(backend: Backend, part: list[tuple[Index, IndexRow, int | None]]) -> None:
+            per_index: dict[tuple[str, bool], tuple[Index, list[IndexRow], list[int]]] = {}
+            for index, row, bound in part:
+                key = (index.table, bound is not None)
+                entry = per_index.setdefault(key, (index, [], []))
+                entry[1].append(row)
+                if bound is not None:
+                    entry[2].append(bound)
+            for (table, bounded), (index, rows, bounds) in per_index.items():
+                cols = index.properties
+                if op == "insert" and index.unique:
+                    backend.restamp_claims(table, cols, rows, time.time_ns() // 1000)
+                elif op == "insert":
+                    backend.insert_index_rows(table, cols, rows, fenced=True)
                 else:
-                    backend.delete_index_rows(index.table, index.properties, rows, fenced=True)
+                    backend.delete_index_rows(
+                        table, cols, rows, fenced=True, claimed_at_most=bounds if bounded else None
+                    )
 
         self.ds._route(items, lambda item: item[1].bucket, on_shard)

@@ -224,9 +224,9 @@ def plan_query(index: Index, filters: list[Filter], order: str | None) -> Plan:
             break
         equal = [f for f in fs if f.op in ("eq", "in")]
         if equal:
-            if len(fs) > 1:
-                raise InvalidQuery(f"property {prop!r}: equality combined with another filter")
-            eq.append(equal[0])
+            # the fewest values to look up; the property's other filters are
+            # re-checked on each entity, as every filter is
+            eq.append(min(equal, key=lambda f: len(f.keys)))
             used.add(prop)
             continue
         lowers = [f for f in fs if f.op in ("gt", "gte")]

@@ -19,7 +19,7 @@ rolled back:
 Writes to the bucket wait only for step 2's final sync of one bucket.
 
 The copy of step 1 and the deletes of step 4 are paced with the Cleaner's
-:class:`bagstore.cleaner.Throttle`: after each step the mover pauses ``duty``
+:class:`bagstore.throttle.Throttle`: after each step the mover pauses ``duty``
 times as long as the step took (a slow step earns a long pause), so that live
 traffic keeps its latency; step 2 is never paced, since writers to the bucket
 wait for it.
@@ -40,23 +40,28 @@ wait for it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from bagstore import testing
 from bagstore.backends import Backend, open_backend
 from bagstore.backends.buckets import FROZEN, INCOMING, OWNED
 from bagstore.backends.indexsql import IndexRow
+from bagstore.backends.pool import long_statements
 from bagstore.catalog import IndexCatalog
-from bagstore.cleaner import Throttle, check_pacing
 from bagstore.errors import ConfigurationError
 from bagstore.index import Index
+from bagstore.throttle import Throttle, check_pacing
 
 if TYPE_CHECKING:
     from bagstore.datastore import Datastore
 
 __all__ = ["MoveStats", "Mover"]
+
+log = logging.getLogger(__name__)
 
 COPY, FROZEN_PHASE, SWITCHED = "copy", "frozen", "switched"
 
@@ -74,7 +79,8 @@ DEFAULT_DUTY = 0.5
 @dataclass
 class MoveStats:
     """What a move did: buckets moved, entity and index rows copied and deleted,
-    and the longest time a bucket was frozen (seconds)."""
+    the longest time a bucket was frozen, and how long it all took (seconds,
+    the grace period's wait included)."""
 
     buckets: int = 0
     entities: int = 0
@@ -102,6 +108,13 @@ class Mover:
     each step of a bucket's copy (and of the deletes that end a move), pause
     this many times as long as the step took (default 0.5; 0: flat out);
     ``max_rate``: rows per second at most (None: no cap).
+
+    ``progress(done, total)`` is called after each bucket of a move, a
+    rebalance or a resume (a rebalance counts over all its moves), and after
+    each batch of a key migration (entities of the old bucket read);
+    ``on_step(phase, rows)`` after each step of ``batch`` rows (``"copy"``,
+    ``"delete"``) and when a wait begins (``"grace"``, ``"wait"``; rows 0), so
+    that a long move of one bucket shows signs of life.
     """
 
     def __init__(
@@ -113,6 +126,7 @@ class Mover:
         progress: Callable[[int, int], None] | None = None,
         duty: float = DEFAULT_DUTY,
         max_rate: float | None = None,
+        on_step: Callable[[str, int], None] | None = None,
     ) -> None:
         check_pacing(batch, duty, max_rate)
         if grace is not None and (
@@ -123,11 +137,16 @@ class Mover:
         self.batch = batch
         self.grace = ds._refresh_interval + 1.0 if grace is None else grace
         self.progress = progress
+        self.on_step = on_step
         self.duty = duty
         self.max_rate = max_rate
         self.index_catalog = IndexCatalog(ds._catalog_backend)
         self._throttle = Throttle(max_rate=max_rate, duty=duty, adaptive=False)
         self._prepared: set[tuple[str, tuple[str, ...]]] = set()
+
+    def _step(self, phase: str, rows: int) -> None:
+        if self.on_step is not None:
+            self.on_step(phase, rows)
 
     def _paced(self, backend: Backend, rows: int, started: float, paced: bool) -> None:
         """After a step of ``rows`` rows written on ``backend``, begun at
@@ -151,6 +170,10 @@ class Mover:
         try:
             if any(b.name == backend.name for b in ds._backends):
                 raise ConfigurationError(f"{backend.name} is already a shard of this store")
+            ensure_limits = getattr(backend, "ensure_limits", None)
+            if ensure_limits is not None:  # its server must carry the store's largest body
+                ensure_limits()
+                ds._check_body_capacity(backend)
             no = len(ds.catalog.read_placement().shard_names)
             store, stamped = backend.stamp(ds.placement.store_id, no)
             if store != ds.placement.store_id or stamped != no:
@@ -167,6 +190,7 @@ class Mover:
                 name = path[len(ds._root.rstrip("/")) + 1 :]
         no = ds.catalog.add_shard(name)
         ds.refresh_placement(force=True)
+        log.info("shard %d added: %s (it holds no bucket until buckets move to it)", no, name)
         return no
 
     def _prepare(self, backend: Backend, layout: _Layout | None = None) -> None:
@@ -227,6 +251,7 @@ class Mover:
                     f"bucket {b} has an unfinished move to shard {unfinished[b][1]}: "
                     "resume or roll it back first"
                 )
+        log.info("moving %d buckets to shard %s", len(buckets), self.ds._backends[target].name)
         stats = MoveStats()
         started = time.monotonic()
         switched: list[tuple[int, int]] = []
@@ -245,6 +270,16 @@ class Mover:
                     self.progress(i + 1, len(buckets))
         self._finish(switched, stats)
         stats.seconds = time.monotonic() - started
+        log.info(
+            "moved %d buckets to shard %s: %d entities, %d index rows copied, %d rows "
+            "deleted from the old shards in %.1fs",
+            stats.buckets,
+            self.ds._backends[target].name,
+            stats.entities,
+            stats.index_rows,
+            stats.deleted,
+            stats.seconds,
+        )
         return stats
 
     @contextlib.contextmanager
@@ -271,36 +306,57 @@ class Mover:
     ) -> None:
         ds = self.ds
         src, dst = ds._backends[source], ds._backends[target]
+        began, copied = time.monotonic(), (stats.entities, stats.index_rows)
+        log.debug("bucket %d: copying from shard %s to shard %s", b, src.name, dst.name)
         ds.catalog.set_move(b, source, target, COPY)
         self._ready(dst, layout)
         dst.set_bucket_state(b, INCOMING)
         self._sync(b, src, dst, stats, layout, paced=True)
+        testing.hit("move.after_copy")
         frozen_at = time.monotonic()
         src.set_bucket_state(b, FROZEN)
         ds.catalog.set_move(b, source, target, FROZEN_PHASE)
         now = self._layout()  # a kind or index registered meanwhile is copied too
         self._ready(dst, now)
         self._sync(b, src, dst, stats, now, paced=False)
+        testing.hit("move.after_freeze")
         dst.set_bucket_state(b, OWNED)
         ds.catalog.set_bucket(b, target)
+        testing.hit("move.after_placement")
         ds.catalog.set_move(b, source, target, SWITCHED)
         src.release_bucket(b)
+        testing.hit("move.after_switch")
         stats.longest_freeze = max(stats.longest_freeze, time.monotonic() - frozen_at)
         stats.buckets += 1
         ds._learn_buckets({b: target})
+        log.info(
+            "bucket %d moved from shard %s to shard %s: %d entities, %d index rows "
+            "in %.2fs (writes frozen %.3fs)",
+            b,
+            src.name,
+            dst.name,
+            stats.entities - copied[0],
+            stats.index_rows - copied[1],
+            time.monotonic() - began,
+            time.monotonic() - frozen_at,
+        )
 
     def _finish(self, switched: list[tuple[int, int]], stats: MoveStats) -> None:
         """After the grace period, delete the sources' copies and end the moves."""
         if not switched:
             return
+        self._step("grace", 0)
         time.sleep(self.grace)
         # Read after every switch: rows of a kind or index registered later
         # were written to the buckets' new shards only.
         layout = self._layout()
         for b, source in switched:
-            stats.deleted += self._clear(b, self.ds._backends[source], layout)
+            deleted = self._clear(b, self.ds._backends[source], layout)
+            stats.deleted += deleted
             self.ds.catalog.end_move(b)
+            log.debug("bucket %d: %d rows deleted from its old shard %d", b, deleted, source)
 
+    @long_statements()  # its statements wait bulk_timeout, not read_timeout
     def _sync(
         self,
         b: int,
@@ -324,6 +380,7 @@ class Mover:
                 dst.copy_entity_rows(kind, rows)
                 stats.entities += len(rows)
                 self._paced(dst, len(rows), t0, paced)
+                self._step("copy", len(rows))
             gone = [i for i in got if i not in have]
             for start in range(0, len(gone), step):
                 dst.delete_ids(kind, gone[start : start + step])
@@ -340,6 +397,7 @@ class Mover:
                     chunk = part[start : start + step]
                     dst.insert_index_rows(index.table, index.properties, chunk, claimed=claimed)
                     self._paced(dst, len(chunk), t0, paced)
+                    self._step("copy", len(chunk))
             stats.index_rows += len(missing)
             extra = [r for r in got_rows if r not in have_rows]
             dst.delete_index_rows(index.table, index.properties, extra)
@@ -352,6 +410,7 @@ class Mover:
             if not any(k == kind and i == entity_id for k, i, _ in have_ids):
                 dst.forget_ids(kind, [entity_id])
 
+    @long_statements()
     def _clear(self, b: int, backend: Backend, layout: _Layout | None = None) -> int:
         """Delete every entity and index row of bucket ``b`` on ``backend``, in
         paced steps of ``batch`` rows."""
@@ -365,6 +424,8 @@ class Mover:
                 n = backend.delete_ids(kind, ids[start : start + step])
                 deleted += n
                 self._paced(backend, n, t0, True)
+                self._step("delete", n)
+        testing.hit("move.mid_delete")
         for index in layout.indexes:
             rows = list(backend.bucket_index_rows(index.table, index.properties, index.unique, b))
             for start in range(0, len(rows), step):
@@ -374,6 +435,7 @@ class Mover:
                 )
                 deleted += n
                 self._paced(backend, n, t0, True)
+                self._step("delete", n)
         by_kind: dict[str, list[bytes]] = {}
         for kind, entity_id, _ in backend.bucket_id_rows(b):
             by_kind.setdefault(kind, []).append(entity_id)
@@ -390,17 +452,26 @@ class Mover:
     def resume(self) -> MoveStats:
         """Finish every unfinished move."""
         stats = MoveStats()
+        started = time.monotonic()
         switched = []
         self.ds.refresh_placement(force=True)
         layout = self._layout()
         with self._then_reread():
-            for b, (source, target, phase) in sorted(self.unfinished().items()):
-                if phase != SWITCHED:
+            unfinished = sorted(self.unfinished().items())
+            log.info("resuming %d unfinished bucket moves", len(unfinished))
+            for i, (b, (source, target, phase)) in enumerate(unfinished):
+                # Killed between the placement's switch and the phase's: the
+                # target owns the bucket (and took writes): never copy again.
+                if phase != SWITCHED and self._source_of(b) != target:
                     self._move_one(b, source, target, stats, layout)
                 else:
+                    self.ds.catalog.set_move(b, source, target, SWITCHED)
                     self.ds._backends[source].release_bucket(b)
                 switched.append((b, source))
+                if self.progress is not None:
+                    self.progress(i + 1, len(unfinished))
         self._finish(switched, stats)
+        stats.seconds = time.monotonic() - started
         return stats
 
     def rollback(self, bucket: int) -> None:
@@ -410,7 +481,7 @@ class Mover:
         if bucket not in moves:
             raise ConfigurationError(f"bucket {bucket} has no unfinished move")
         source, target, phase = moves[bucket]
-        if phase == SWITCHED:
+        if phase == SWITCHED or self._source_of(bucket) == target:
             raise ConfigurationError(
                 f"the move of bucket {bucket} has switched already: resume it instead"
             )
@@ -455,6 +526,7 @@ class Mover:
         if old == to_bucket and state == NORMAL:
             return 0
         directory.set(key, old, MIGRATING)
+        self._step("wait", 0)
         time.sleep(directory.ttl + 0.2 if wait is None else wait)
         placement = ds.refresh_placement(force=True)
         src = ds._backends[placement.shard_of_bucket[old]]
@@ -467,10 +539,14 @@ class Mover:
             dst.copy_entity_rows(ds.kind, [(i, to_bucket, u, v, body) for i, _, u, v, body in mine])
             placer.record({r[0]: to_bucket for r in mine})
             moved += [r[0] for r in mine]
+            self._step("copy", len(mine))
+            if self.progress is not None:
+                self.progress(min(start + self.batch, len(ids)), len(ids))
         if src is not dst:
             src.delete_ids(ds.kind, moved)
         directory.set(key, to_bucket, NORMAL)
         directory.moved(old, to_bucket)
+        log.info("key moved from bucket %d to bucket %d: %d entities", old, to_bucket, len(moved))
         return len(moved)
 
     # -- rebalance -------------------------------------------------------------------
@@ -496,10 +572,22 @@ class Mover:
         """Move buckets until every shard holds an even share."""
         total = MoveStats()
         by_target: dict[int, list[int]] = {}
-        for b, target in self.plan():
+        plan = self.plan()
+        for b, target in plan:
             by_target.setdefault(target, []).append(b)
+        outer, counted = self.progress, 0
         for target, buckets in by_target.items():
-            stats = self.move(sorted(buckets), target)
+            if outer is not None:  # count over the whole plan, not per target
+
+                def over_plan(done: int, _: int, base: int = counted) -> None:
+                    outer(base + done, len(plan))
+
+                self.progress = over_plan
+            try:
+                stats = self.move(sorted(buckets), target)
+            finally:
+                self.progress = outer
+            counted += len(buckets)
             total.buckets += stats.buckets
             total.entities += stats.entities
             total.index_rows += stats.index_rows

@@ -33,6 +33,12 @@ POINTS = frozenset(
         "put.after_entity",  # entity committed, no index row changed yet
         "put.after_index_delete",  # stale index rows deleted, new ones not inserted
         "delete.after_entity",  # entity deleted, its index rows still there
+        # bucket moves (bagstore.scaleout.Mover), one bucket's steps in order:
+        "move.after_copy",  # target filled (INCOMING), source still serving
+        "move.after_freeze",  # source frozen, target synced, placement not switched
+        "move.after_placement",  # placement points at the target, phase still frozen
+        "move.after_switch",  # switched, the source's copy not deleted yet
+        "move.mid_delete",  # the source copy's entities deleted, its index rows not
     }
 )
 

@@ -6,7 +6,8 @@ Accepted shard URLs:
   convention), or ``sqlite::memory:`` for a private in-memory database;
 * ``mysql://user:password@host:port/database`` (``mariadb://`` is the same),
   with optional query parameters ``driver`` (``pymysql``, the default, or
-  ``mysqlclient``), ``pool_size``, ``connect_timeout``, ``read_timeout``;
+  ``mysqlclient``), ``pool_size``, ``connect_timeout``, ``read_timeout``,
+  ``write_timeout``, ``bulk_timeout`` (seconds; see :class:`MySQLDefaults`);
 * ``host:port`` (FriendFeed's form): a MySQL server; user, password and database
   come from the keywords given to :func:`open_backend`.
 
@@ -34,15 +35,27 @@ __all__ = [
 ]
 
 
+#: Seconds a MySQL shard may take to connect, to answer a statement, to take
+#: one, and to answer a statement of bulk work (docs/configuration.md).
+TIMEOUTS = {"connect_timeout": 5.0, "read_timeout": 30.0, "write_timeout": 30.0,
+            "bulk_timeout": 600.0}  # fmt: skip
+
+
 class MySQLDefaults:
-    """User, password and database for MySQL URLs that omit them.
+    """User, password, database and timeouts for MySQL URLs that omit them.
 
     Keywords win, then ``BAGSTORE_MYSQL_USER`` / ``BAGSTORE_MYSQL_PASSWORD`` /
     ``BAGSTORE_MYSQL_DATABASE``, then ``root``, empty, ``bagstore``.
+    ``timeouts`` (keys of :data:`TIMEOUTS`, positive seconds) replace those
+    defaults; a URL's own options win over both.
     """
 
     def __init__(
-        self, user: str | None = None, password: str | None = None, database: str | None = None
+        self,
+        user: str | None = None,
+        password: str | None = None,
+        database: str | None = None,
+        timeouts: dict[str, float | None] | None = None,
     ) -> None:
         env = os.environ
         self.user = user if user is not None else env.get("BAGSTORE_MYSQL_USER", "root")
@@ -50,6 +63,12 @@ class MySQLDefaults:
         self.database = (
             database if database is not None else env.get("BAGSTORE_MYSQL_DATABASE", "bagstore")
         )
+        self.timeouts = dict(TIMEOUTS)
+        for key, value in (timeouts or {}).items():
+            if key not in TIMEOUTS:
+                raise ConfigurationError(f"unknown timeout {key!r} (known: {sorted(TIMEOUTS)})")
+            if value is not None:
+                self.timeouts[key] = _seconds(value, key, "")
 
 
 def redact(url: str) -> str:
@@ -66,6 +85,17 @@ def _int(value: str, what: str, url: str) -> int:
         return int(value)
     except ValueError:
         raise ConfigurationError(f"{what} must be an integer in {redact(url)!r}") from None
+
+
+def _seconds(value: object, what: str, url: str) -> float:
+    where = f" in {redact(url)!r}" if url else ""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{what} must be a number of seconds{where}") from None
+    if isinstance(value, bool) or not 0 < seconds <= 31_536_000:
+        raise ConfigurationError(f"{what} must be over 0 and at most a year of seconds{where}")
+    return seconds
 
 
 def open_backend(
@@ -103,7 +133,7 @@ def open_backend(
     from bagstore.backends.mysql import MySQLBackend
 
     query = dict(parse_qsl(parts.query))
-    known = {"driver", "pool_size", "connect_timeout", "read_timeout"}
+    known = {"driver", "pool_size", *TIMEOUTS}
     unknown = set(query) - known
     if unknown:
         raise ConfigurationError(f"unknown option(s) {sorted(unknown)} in {redact(url)!r}")
@@ -120,13 +150,11 @@ def open_backend(
         "password": unquote(parts.password) if parts.password is not None else defaults.password,
         "database": database,
         "driver": driver,
+        **defaults.timeouts,
     }
     if "pool_size" in query:
         kwargs["pool_size"] = _int(query["pool_size"], "pool_size", url)
-    for key in ("connect_timeout", "read_timeout"):
+    for key in TIMEOUTS:
         if key in query:
-            try:
-                kwargs[key] = float(query[key])
-            except ValueError:
-                raise ConfigurationError(f"{key} must be a number in {redact(url)!r}") from None
+            kwargs[key] = _seconds(query[key], key, url)
     return MySQLBackend(**kwargs)

@@ -12,6 +12,7 @@ bagstore error tree in exactly one place, :func:`translate_errors`.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +25,7 @@ from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
 from bagstore.errors import BackendError, BagstoreError, ConfigurationError, ShardUnavailable
 
 __all__ = [
+    "ENTITY_COLUMNS",
     "IDENTIFIER",
     "TOGETHER_MAX_IDS",
     "Backend",
@@ -37,7 +39,12 @@ __all__ = [
 
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
+#: The columns every entities table has (see ``Dialect.create_entities_sql``).
+ENTITY_COLUMNS = frozenset({"added_id", "id", "bucket", "updated", "version", "body"})
+
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 def check_identifier(name: object, what: str = "name") -> str:
@@ -242,6 +249,11 @@ class Dialect:
     def count_sql(self, table: str) -> str:
         return f"SELECT COUNT(*) FROM {self.q(table)}"
 
+    def columns_sql(self) -> str:
+        """The column names of the table named by the one parameter (no rows if
+        there is no such table)."""
+        raise NotImplementedError
+
 
 class Backend(BucketOps, IndexOps):
     """One shard: a database reached through a pool of DB-API connections.
@@ -313,6 +325,8 @@ class Backend(BucketOps, IndexOps):
         """A driver exception as the bagstore error to raise (``__cause__`` set)."""
         error = self.classify(exc)(f"shard {self.name}: {exc}", shard=self.name)
         error.__cause__ = exc
+        if isinstance(error, ShardUnavailable):
+            log.info("shard %s unavailable: %s", self.name, exc)
         return error
 
     def is_retryable(self, exc: BaseException) -> bool:
@@ -373,6 +387,7 @@ class Backend(BucketOps, IndexOps):
                     and cause is not None
                     and self.is_retryable(cause)
                 ):
+                    log.info("%s; trying again on a new connection", error)
                     continue
                 if error is exc:
                     raise
@@ -523,14 +538,37 @@ class Backend(BucketOps, IndexOps):
         return str(store), int(no)
 
     # -- entities ------------------------------------------------------------
+    def table_columns(self, table: str) -> frozenset[str]:
+        """The column names of ``table`` on this shard (empty if it does not exist)."""
+        check_identifier(table, "table name")
+        rows = self.fetchall(self.dialect.columns_sql(), [table])
+        return frozenset(
+            (r[0].decode() if isinstance(r[0], bytes) else str(r[0])).lower() for r in rows
+        )
+
     def ensure_kind(self, kind: str) -> None:
-        """Create the entities table of ``kind`` when missing (once per process)."""
+        """Create the entities table of ``kind`` when missing (once per process).
+
+        Raises ``ConfigurationError`` if a table of that name exists that is not
+        an entities table (an index's, bagstore's own or another program's): the
+        kind would write into it."""
         if kind in self._ready_kinds:
             return
         with self._schema_lock:
             if kind not in self._ready_kinds:
+                self._check_entities_table(kind)
                 self._executescript(self.dialect.create_entities_sql(kind))
+                self._check_entities_table(kind)
                 self._ready_kinds.add(kind)
+
+    def _check_entities_table(self, kind: str) -> None:
+        columns = self.table_columns(kind)
+        if columns and not columns >= ENTITY_COLUMNS:
+            raise ConfigurationError(
+                f"kind {kind!r}: shard {self.name} holds a table {kind!r} that is not an "
+                f"entities table (columns {sorted(columns)}): a kind cannot share its name with "
+                "an index table or any other table (see 'Names' in docs/cleaner.md)"
+            )
 
     def get_body(self, kind: str, entity_id: bytes) -> bytes | None:
         """One entity's encoded body on this shard, or None: one statement."""
@@ -573,11 +611,13 @@ class Backend(BucketOps, IndexOps):
         *,
         read_old: bool,
         versions: dict[bytes, int] | None = None,
+        stamps: dict[bytes, int] | None = None,
     ) -> dict[bytes, bytes]:
         """Upsert rows in one transaction; with ``read_old`` return the bodies
         they replaced (read in the same transaction, rows locked).  With
         ``read_old``, ``versions`` (if given) is filled with each row's new
-        version (the one read + 1, or 1), for the cache's markers."""
+        version (the one read + 1, or 1), for the cache's markers, and
+        ``stamps`` (if given) with the ``updated`` of each row replaced."""
 
         def work(conn: Any) -> dict[bytes, bytes]:
             if not read_old and len(rows) == 1:
@@ -602,6 +642,8 @@ class Backend(BucketOps, IndexOps):
                     old[found[0]] = found[1]
                     if versions is not None:
                         versions[found[0]] = found[2] + 1
+                    if stamps is not None:
+                        stamps[found[0]] = found[3]
                 if read_old and versions is not None:
                     for r in rows:
                         versions.setdefault(r.id, 1)
@@ -645,10 +687,12 @@ class Backend(BucketOps, IndexOps):
         *,
         read_old: bool,
         versions: dict[bytes, int] | None = None,
+        stamps: dict[bytes, int] | None = None,
     ) -> dict[bytes, bytes | None]:
         """Delete ids (of ``buckets``, which this shard must own); return ``{id:
         old body}`` of those that existed (the body is ``None`` unless ``read_old``).
-        ``versions`` (if given) is filled with the deleted rows' versions."""
+        ``versions`` (if given) is filled with the deleted rows' versions, and
+        ``stamps`` (if given) with their ``updated``."""
 
         def work(conn: Any) -> dict[bytes, bytes | None]:
             with self.transaction(conn) as cur:
@@ -657,6 +701,8 @@ class Backend(BucketOps, IndexOps):
                     found[r[0]] = r[1] if read_old else None
                     if versions is not None:
                         versions[r[0]] = r[2]
+                    if stamps is not None:
+                        stamps[r[0]] = r[3]
                 present = list(found)
                 for start in range(0, len(present), 1000):
                     part = present[start : start + 1000]

@@ -19,12 +19,18 @@ from bagstore.errors import DuplicateValue
 if TYPE_CHECKING:
     from bagstore.backends.base import Dialect
 
-__all__ = ["IndexOps", "IndexRow", "Scan"]
+__all__ = ["IndexOps", "IndexRow", "Scan", "index_layout"]
 
 ENTITY_ID = "entity_id"
 BUCKET = "bagstore_bucket"
 CLAIMED = "claimed"
 RESERVED = frozenset({ENTITY_ID, BUCKET, CLAIMED})
+
+
+def index_layout(columns: Sequence[str], unique: bool) -> frozenset[str]:
+    """The column names (lower case) of an index table with these properties."""
+    extra = {ENTITY_ID, BUCKET} | ({CLAIMED} if unique else set())
+    return frozenset(c.lower() for c in (*columns, *extra))
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,11 +229,14 @@ def _keyset(d: Dialect, cols: Sequence[str], op: str) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def _delete_rows_text(
-    d: Dialect, table: str, columns: tuple[str, ...], n: int, fenced: bool
+    d: Dialect, table: str, columns: tuple[str, ...], n: int, fenced: bool, bounded: bool = False
 ) -> str:
     """``DELETE`` of ``n`` index rows named by their keys and entity id; with
-    ``fenced``, only rows of buckets this shard owns."""
+    ``fenced``, only rows of buckets this shard owns; with ``bounded`` (unique
+    indexes), only rows whose ``claimed`` is not above each row's bound."""
     one = " AND ".join(f"{d.q(c)} = {d.param}" for c in (*columns, ENTITY_ID))
+    if bounded:
+        one += f" AND {CLAIMED} <= {d.param}"
     sql = f"DELETE FROM {d.q(table)} WHERE ({' OR '.join([f'({one})'] * n)})"
     if fenced:
         sql += (
@@ -272,11 +281,34 @@ class IndexOps:
     ) -> None:
         raise NotImplementedError
 
-    def ensure_index_table(self, table: str, columns: Sequence[str], unique: bool) -> None:
-        self._executescript(self.dialect.create_index_table_sql(table, columns, unique))
+    def table_columns(self, table: str) -> frozenset[str]:
+        raise NotImplementedError
 
-    def drop_index_table(self, table: str) -> None:
+    def ensure_index_table(self, table: str, columns: Sequence[str], unique: bool) -> bool:
+        """Create the index's table when missing.  False (and nothing created) if
+        a table of that name exists with other columns: an entities table or
+        any other table that is not this index's (see :mod:`bagstore.names`)."""
+        layout = index_layout(columns, unique)
+        if self.table_columns(table) not in (frozenset(), layout):
+            return False
+        statements = self.dialect.create_index_table_sql(table, columns, unique)
+        self._executescript(statements[:1])
+        if self.table_columns(table) != layout:  # another's table made meanwhile
+            return False
+        self._executescript(statements[1:])
+        return True
+
+    def drop_index_table(self, table: str, columns: Sequence[str], unique: bool) -> bool:
+        """Drop the index's table if it has exactly the index's columns; a table
+        of that name with other columns (a kind's entities, any other table) is
+        never dropped.  True if dropped or absent, False if left alone."""
+        found = self.table_columns(table)
+        if not found:
+            return True
+        if found != index_layout(columns, unique):
+            return False
         self._executescript([f"DROP TABLE IF EXISTS {self.dialect.q(table)}"])
+        return True
 
     def insert_index_rows(
         self,
@@ -320,16 +352,28 @@ class IndexOps:
         rows: Sequence[IndexRow],
         *,
         fenced: bool = False,
+        claimed_at_most: Sequence[int] | None = None,
     ) -> int:
         """Delete rows; with ``fenced``, only rows of buckets this shard owns, and
         StalePlacement / KeyMigrating is raised if a bucket is not owned (a writer
         with a stale placement must not delete on a shard that has let the bucket
-        go: the owner would keep the row)."""
+        go: the owner would keep the row).  ``claimed_at_most`` (a unique index's
+        rows, one bound per row): a row claimed after its bound stays (it was
+        claimed again by a later writer of its entity)."""
         removed = 0
+        bounded = claimed_at_most is not None
         for start in range(0, len(rows), 200):
             chunk = rows[start : start + 200]
-            sql = _delete_rows_text(self.dialect, table, tuple(columns), len(chunk), fenced)
-            n = self.execute(sql, [v for r in chunk for v in (*r.keys, r.entity_id)])
+            bounds = claimed_at_most[start : start + 200] if claimed_at_most is not None else ()
+            sql = _delete_rows_text(
+                self.dialect, table, tuple(columns), len(chunk), fenced, bounded
+            )
+            params = [
+                v
+                for k, r in enumerate(chunk)
+                for v in (*r.keys, r.entity_id, *((bounds[k],) if bounded else ()))
+            ]
+            n = self.execute(sql, params)
             if fenced and n < len(chunk):  # gone already, or buckets not owned here
                 self.check_owned([r.bucket for r in chunk])
             removed += n
@@ -354,9 +398,10 @@ class IndexOps:
     ) -> tuple[bytes, int] | None:
         """Try to claim a unique value for ``row.entity_id``.
 
-        Returns None when the value is now ours (inserted, or already ours, in
-        which case ``claimed`` is refreshed), else ``(owner, claimed)`` of the
-        row that holds it.
+        Returns None when the row was inserted (the value is newly ours), else
+        ``(owner, claimed)`` of the row that holds it; when that owner is
+        ``row.entity_id`` the value was ours already and ``claimed`` has been
+        refreshed to ``now``.
         """
         d = self.dialect
         cols = (*columns, ENTITY_ID, BUCKET, CLAIMED)
@@ -380,8 +425,26 @@ class IndexOps:
                 f"UPDATE {d.q(table)} SET {CLAIMED} = {d.param} WHERE {match}",
                 [now, *row.keys],
             )
-            return None
+            return owner, now
         return owner, claimed
+
+    def restamp_claims(
+        self, table: str, columns: Sequence[str], rows: Sequence[IndexRow], now: int
+    ) -> None:
+        """Set ``claimed`` to ``now`` on unique rows still owned by their
+        entity, and insert those that are gone (unless another entity holds the
+        value meanwhile); only in buckets this shard owns (StalePlacement /
+        KeyMigrating otherwise).  One statement per row, two for a row that is
+        gone."""
+        d = self.dialect
+        match = " AND ".join(f"{d.q(c)} = {d.param}" for c in (*columns, ENTITY_ID))
+        sql = (
+            f"UPDATE {d.q(table)} SET {CLAIMED} = {d.param} WHERE {match} AND EXISTS "
+            f"(SELECT 1 FROM bagstore_owned WHERE bucket = {d.param} AND state = 0)"
+        )
+        gone = [r for r in rows if self.execute(sql, [now, *r.keys, r.entity_id, r.bucket]) == 0]
+        if gone:
+            self.insert_index_rows(table, columns, gone, claimed=now, fenced=True)
 
     def take_over(
         self,
@@ -424,3 +487,45 @@ class IndexOps:
                 IndexRow(tuple(bytes(v) for v in r[:n]), bytes(r[n]), int(r[n + 1])) for r in rows
             ]
         return out
+
+    def claims_of_entities(
+        self, table: str, columns: Sequence[str], ids: Sequence[bytes]
+    ) -> list[tuple[IndexRow, int]]:
+        """``(row, claimed)`` of every row of a unique index's table that points
+        at one of ``ids``."""
+        d = self.dialect
+        cols = (*columns, ENTITY_ID, BUCKET, CLAIMED)
+        out: list[tuple[IndexRow, int]] = []
+        n = len(columns)
+        for start in range(0, len(ids), 500):
+            part = list(ids[start : start + 500])
+            rows = self.fetchall(
+                f"SELECT {', '.join(d.q(c) for c in cols)} FROM {d.q(table)} "
+                f"WHERE {ENTITY_ID} IN ({d.params(len(part))})",
+                part,
+            )
+            out += [
+                (
+                    IndexRow(tuple(bytes(v) for v in r[:n]), bytes(r[n]), int(r[n + 1])),
+                    int(r[n + 2]),
+                )
+                for r in rows
+            ]
+        return out
+
+    def drop_claims(
+        self, table: str, columns: Sequence[str], claims: Sequence[tuple[IndexRow, int]]
+    ) -> int:
+        """Delete unique rows that are still as seen (same entity, same
+        ``claimed``) and whose bucket this shard owns and is not moving (a row
+        claimed again meanwhile, or a copy that is not the owner's, stays);
+        return how many went."""
+        d = self.dialect
+        match = " AND ".join(f"{d.q(c)} = {d.param}" for c in (*columns, ENTITY_ID, CLAIMED))
+        sql = (
+            f"DELETE FROM {d.q(table)} WHERE {match} AND EXISTS (SELECT 1 FROM "
+            f"bagstore_owned o WHERE o.bucket = {d.q(table)}.{BUCKET} AND o.state = 0)"
+        )
+        return sum(
+            self.execute(sql, [*row.keys, row.entity_id, claimed]) for row, claimed in claims
+        )

@@ -7,6 +7,14 @@ bytes); connections idle for a minute are pinged before use and replaced if the
 server dropped them; a statement that failed on a lost connection or as a
 deadlock victim is retried on a fresh connection (see ``Backend.run``).
 
+Timeouts (docs/configuration.md): connecting, the handshake included, may take
+``connect_timeout`` seconds (5); a statement's answer ``read_timeout`` (30)
+and sending it ``write_timeout`` (30); bulk work (Cleaner batches, moves,
+``check``, ``count``: see :func:`bagstore.backends.pool.long_statements`)
+waits ``bulk_timeout`` (600) instead, on PyMySQL.  A timeout is
+``ShardTimeout``, never retried: the connection is closed, and a write whose
+answer did not come may or may not have been applied.
+
 The largest body and the largest multi-row statement follow from the server's
 ``max_allowed_packet`` (a value may be escaped to twice its size on the wire).
 """
@@ -19,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from bagstore.backends.base import Backend, Dialect, check_identifier
-from bagstore.backends.pool import Pool
+from bagstore.backends.pool import Pool, in_long_statements
 from bagstore.backends.seqsql import MySQLSequenceSQL, SequenceSQL
 from bagstore.errors import (
     BackendError,
@@ -156,6 +164,12 @@ class MySQLDialect(Dialect):
             f"KEY entity_id (entity_id)) {_ENGINE}"
         ]
 
+    def columns_sql(self) -> str:
+        return (
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_schema = DATABASE() AND table_name = %s"
+        )
+
     def fenced_insert_sql(
         self, table: str, columns: Sequence[str], rows: int, *, ignore: bool
     ) -> str:
@@ -224,7 +238,9 @@ class MySQLBackend(Backend):
         driver: str = "pymysql",
         pool_size: int = 16,
         connect_timeout: float = 5.0,
-        read_timeout: float | None = None,
+        read_timeout: float | None = 30.0,
+        write_timeout: float | None = 30.0,
+        bulk_timeout: float | None = 600.0,
     ) -> None:
         check_identifier(database, "MySQL database name")
         super().__init__(f"mysql://{user}@{host}:{port}/{database}", server=f"{host}:{port}")
@@ -238,6 +254,11 @@ class MySQLBackend(Backend):
         self.driver_errors = (self._driver.Error,)
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
+        self._write_timeout = write_timeout
+        self._bulk_timeout = bulk_timeout
+        # PyMySQL reads a connection's timeouts at each packet: they can change
+        # between statements (a bulk step's longer ones, the handshake's shorter).
+        self._switchable = self._driver.__name__ == "pymysql"
         self._created_database = False
         self._pool: Pool[Any] = Pool(
             self._connect,
@@ -302,10 +323,17 @@ class MySQLBackend(Backend):
             "connect_timeout": self._connect_timeout,
             "binary_prefix": True,
         }
-        if self._read_timeout is not None:
-            args["read_timeout"] = self._read_timeout
+        if self._switchable:
+            # The handshake and the session's set-up are part of connecting: PyMySQL
+            # waits for them with the read timeout, set to the statements' own
+            # once connected (see _connect).
+            args["read_timeout"] = args["write_timeout"] = self._connect_timeout
+        else:
+            for key in ("read_timeout", "write_timeout"):
+                if getattr(self, f"_{key}") is not None:
+                    args[key] = getattr(self, f"_{key}")
         if self._driver.__name__ == "MySQLdb":  # mysqlclient takes whole seconds only
-            for key in ("connect_timeout", "read_timeout"):
+            for key in ("connect_timeout", "read_timeout", "write_timeout"):
                 if key in args:
                     args[key] = max(1, math.ceil(args[key]))
         if database is not None:
@@ -315,15 +343,27 @@ class MySQLBackend(Backend):
     def _connect(self) -> Any:
         drv = self._driver
         try:
-            conn = drv.connect(**self._connect_args(self.database))
-        except drv.OperationalError as exc:
-            if exc.args and exc.args[0] == _UNKNOWN_DATABASE and not self._created_database:
-                self._create_database()
+            try:
                 conn = drv.connect(**self._connect_args(self.database))
-            else:
-                raise
-        if not self._limits_known:
-            self._read_limits(conn)
+            except drv.OperationalError as exc:
+                if exc.args and exc.args[0] == _UNKNOWN_DATABASE and not self._created_database:
+                    self._create_database()
+                    conn = drv.connect(**self._connect_args(self.database))
+                else:
+                    raise
+            if not self._limits_known:
+                self._read_limits(conn)
+        except drv.Error as exc:
+            if _timed_out(exc):
+                raise ShardTimeout(
+                    f"shard {self.name}: the server did not complete a new connection within "
+                    f"{self._connect_timeout:g} s (connect_timeout); nothing was sent to it "
+                    f"({exc})",
+                    shard=self.name,
+                ) from exc
+            raise
+        if self._switchable:
+            conn._read_timeout, conn._write_timeout = self._read_timeout, self._write_timeout
         return conn
 
     def _create_database(self) -> None:
@@ -362,7 +402,15 @@ class MySQLBackend(Backend):
                 pass
 
     def _acquire(self) -> Any:
-        return self._pool.acquire()
+        conn = self._pool.acquire()
+        if self._switchable:
+            if in_long_statements():
+                read = write = self._bulk_timeout
+            else:
+                read, write = self._read_timeout, self._write_timeout
+            if conn._read_timeout != read or conn._write_timeout != write:
+                conn._read_timeout, conn._write_timeout = read, write
+        return conn
 
     def _release(self, conn: Any) -> None:
         self._pool.release(conn)
@@ -379,6 +427,8 @@ class MySQLBackend(Backend):
 
     def classify(self, exc: BaseException) -> type[BackendError]:
         code = self._code(exc)
+        if _timed_out(exc):
+            return ShardTimeout
         if code in _UNAVAILABLE or isinstance(exc, self._driver.InterfaceError):
             return ShardUnavailable
         if code in _TIMEOUT:
@@ -387,8 +437,59 @@ class MySQLBackend(Backend):
             return DuplicateValue
         return BackendError
 
+    def translated(self, exc: BaseException) -> BackendError:
+        if not _timed_out(exc):
+            return super().translated(exc)
+        bulk = self._switchable and in_long_statements()
+        limit = self._bulk_timeout if bulk else self._read_timeout
+        waited = f"{limit:g} s" if limit is not None else "the time allowed"
+        error = ShardTimeout(
+            f"shard {self.name}: no answer within {waited} "
+            f"({'bulk_timeout' if bulk else 'read_timeout'}); the statement was abandoned "
+            "and its connection closed. If it was a write (or its commit), the write may or "
+            "may not have been applied: read it back before writing it again "
+            f"({_timeout_of(exc)})",
+            shard=self.name,
+        )
+        error.__cause__ = exc
+        return error
+
+    def _settle(self, conn: Any, exc: BaseException) -> BaseException:
+        if isinstance(exc, self.driver_errors) and _timed_out(exc):
+            # The driver closed the connection: nothing to roll back.
+            self._discard(conn)
+            return self.translated(exc)
+        return super()._settle(conn, exc)
+
     def is_retryable(self, exc: BaseException) -> bool:
         code = self._code(exc)
         # A connection lost mid-way is worth one more try; a server that refuses
-        # connections is not (fail fast, the caller sees ShardUnavailable).
+        # connections is not (fail fast, the caller sees ShardUnavailable), nor
+        # one that did not answer in time (its write may have been applied, and
+        # waiting again would double the caller's wait).
+        if _timed_out(exc):
+            return False
         return code in _DEADLOCK or code in _LOST
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a driver error means a client-side timeout expired."""
+    return _timeout_of(exc) is not None
+
+
+def _timeout_of(exc: BaseException) -> BaseException | None:
+    """The driver error that reported a client-side timeout, if ``exc`` is one
+    or was raised while handling one (a rollback on the connection the timeout
+    closed): PyMySQL raises its "lost connection" / "gone away" / "can't
+    connect" errors from the socket's ``TimeoutError``.  (mysqlclient's read
+    timeout is a plain error 2013, which looks like a lost connection:
+    ShardUnavailable.)"""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return None
+        cause = seen.__context__ or getattr(seen, "original_exception", None)
+        if isinstance(cause, TimeoutError):
+            return seen
+        seen = cause
+    return None

@@ -10,6 +10,11 @@ which is why bagstore keeps its own.
 LIFO order keeps few connections warm; connections idle longer than
 ``idle_check`` seconds are pinged (and replaced if dead) before use, so a
 server-side ``wait_timeout`` never surfaces as an error.
+
+:func:`long_statements` marks the work of one thread as bulk work (a Cleaner
+batch, a bucket move's copies): backends that can give one connection another
+timeout for a while (PyMySQL) wait ``bulk_timeout`` rather than
+``read_timeout`` for its statements' answers.
 """
 
 from __future__ import annotations
@@ -19,14 +24,40 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from bagstore.errors import ShardTimeout
 
-__all__ = ["Pool"]
+__all__ = ["Pool", "in_long_statements", "long_statements"]
 
 C = TypeVar("C")
+
+_bulk = threading.local()
+
+
+@contextlib.contextmanager
+def long_statements() -> Iterator[None]:
+    """Within the block (and in the calling thread only), statements are bulk
+    work: a backend that can (MariaDB/MySQL on PyMySQL) waits its
+    ``bulk_timeout`` for their answers instead of ``read_timeout``.  Usable as
+    a decorator too.
+
+    >>> with long_statements():
+    ...     in_long_statements()
+    True
+    """
+    before = getattr(_bulk, "depth", 0)
+    _bulk.depth = before + 1
+    try:
+        yield
+    finally:
+        _bulk.depth = before
+
+
+def in_long_statements() -> bool:
+    """Whether the calling thread is inside :func:`long_statements`."""
+    return getattr(_bulk, "depth", 0) > 0
 
 
 class Pool(Generic[C]):
@@ -95,16 +126,20 @@ class Pool(Generic[C]):
         self._slots.put(None)
 
     def discard(self, conn: C) -> None:
-        """Close a broken connection instead of giving it back."""
-        self._discard(conn)
-        self._slots.put(None)
+        """Close a broken connection instead of giving it back (a second
+        discard of the same connection does nothing)."""
+        if self._discard(conn):
+            self._slots.put(None)
 
-    def _discard(self, conn: C) -> None:
+    def _discard(self, conn: C) -> bool:
+        """Close a connection; False if it was closed here already."""
         with self._lock:
+            known = id(conn) in self._open
             self._open.discard(id(conn))
         # Closing a broken connection may fail; it is gone either way.
         with contextlib.suppress(Exception):
             self._close(conn)
+        return known
 
     def close(self) -> None:
         """Close idle connections; connections in use close when released."""

@@ -44,7 +44,7 @@ from bagstore.errors import (
     ShardUnavailable,
 )
 
-__all__ = ["SQLiteBackend", "SQLiteDialect", "has_wal_reset_bug"]
+__all__ = ["SQLiteBackend", "SQLiteDialect", "has_wal_reset_bug", "wal_reset_advice"]
 
 T = TypeVar("T")
 
@@ -73,6 +73,25 @@ def has_wal_reset_bug(version: str = sqlite3.sqlite_version) -> bool:
     if v >= (3, 51, 3) or v < (3, 7, 0):
         return False
     return not ((3, 44, 6) <= v < (3, 45, 0) or (3, 50, 7) <= v < (3, 51, 0))
+
+
+def wal_reset_advice(version: tuple[int, ...] = sqlite3.sqlite_version_info) -> str | None:
+    """What to do about the WAL-reset bug, when SQLite ``version`` (this
+    process's library by default) has it; None when it does not.
+
+    >>> wal_reset_advice((3, 51, 3)) is None
+    True
+    """
+    text = ".".join(map(str, version))
+    if not has_wal_reset_bug(text):
+        return None
+    return (
+        f"this Python's SQLite library, {text}, has the WAL-reset bug (SQLite 3.7.0 to "
+        "3.51.2): rarely, a file written and checkpointed by several connections at once is "
+        "corrupted. Run bagstore on a Python whose sqlite3 module uses SQLite 3.51.3 or later "
+        "(or the 3.44.6 or 3.50.7 patch releases; check with python3 -c 'import sqlite3; "
+        "print(sqlite3.sqlite_version)'), or store on MariaDB; see docs/configuration.md"
+    )
 
 
 class SQLiteDialect(Dialect):
@@ -148,6 +167,9 @@ class SQLiteDialect(Dialect):
             f"CREATE INDEX IF NOT EXISTS {self.q(table + '__entity_id')} "
             f"ON {self.q(table)} (entity_id)",
         ]
+
+    def columns_sql(self) -> str:
+        return "SELECT name FROM pragma_table_info(?)"
 
     def fenced_insert_sql(
         self, table: str, columns: Sequence[str], rows: int, *, ignore: bool

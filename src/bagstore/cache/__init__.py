@@ -28,6 +28,7 @@ from bagstore.cache.base import Cache, CacheStats, CacheUnavailable, LevelStats
 from bagstore.cache.layer import CacheLayer
 from bagstore.cache.memory import MemoryCache
 from bagstore.cache.request import request
+from bagstore.cache.shared import Cell
 from bagstore.errors import ConfigurationError
 
 __all__ = [
@@ -117,8 +118,14 @@ def _servers(url: str, netloc: str) -> list[tuple[str, int]]:
     return servers
 
 
-def open_layer(cache: object, *, prefix: str) -> CacheLayer:
-    """The caching layer for ``Datastore(cache=...)``: a URL, a Cache, or None."""
+def open_layer(
+    cache: object, *, prefix: str, cell: Cell | None = None, store: str | None = None
+) -> CacheLayer:
+    """The caching layer for ``Datastore(cache=...)``: a URL, a Cache, or None.
+
+    ``cell`` and ``store``: where the store's cache state is shared between
+    processes, and the store's id (see :mod:`bagstore.cache.shared`); not used
+    for an in-process ``memory`` cache, which no other process reads."""
     if not isinstance(prefix, str) or _PREFIX.fullmatch(prefix) is None:
         raise ConfigurationError(
             f"cache_prefix {prefix!r} must be 1 to 120 printable ASCII characters, no spaces"
@@ -129,7 +136,20 @@ def open_layer(cache: object, *, prefix: str) -> CacheLayer:
         client, owns = open_cache(cache)
         _, params = _split(cache if cache != "memory" else "memory://")
         ttls = {name: int(_number(params, name, 0)) for name in _LAYER_PARAMS if name in params}
-        return CacheLayer(client, prefix, owns_cache=owns, **ttls)
+        if isinstance(client, MemoryCache):
+            cell = None
+        return CacheLayer(
+            client,
+            prefix,
+            owns_cache=owns,
+            cell=cell,
+            store=store,
+            ttl=ttls.get("ttl", 3600),
+            list_ttl=ttls.get("list_ttl", 600),
+            marker_ttl=ttls.get("marker_ttl", 60),
+        )
     if isinstance(cache, Cache):
-        return CacheLayer(cache, prefix, owns_cache=False)
+        if isinstance(cache, MemoryCache):
+            cell = None
+        return CacheLayer(cache, prefix, owns_cache=False, cell=cell, store=store)
     raise ConfigurationError(f"cache must be a URL, a bagstore.cache.Cache or None, not {cache!r}")

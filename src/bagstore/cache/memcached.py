@@ -325,6 +325,15 @@ class MemcachedCache:
         for key in keys:
             self._client.delete(key, noreply=False)
 
+    def ping(self) -> bool:
+        """Whether every server stores a value now, and says so (one ``set`` on
+        each, past HashClient's bookkeeping of failed servers): what the caching
+        layer asks before it trusts level 2 again after a failure."""
+        return all(
+            client.set("bagstore:ping", b"1", 10, noreply=False) is True
+            for client in self._client.clients.values()
+        )
+
     def close(self) -> None:
         # Not HashClient.close(): it skips a server it has marked failing,
         # leaving that server's pooled sockets open.
