@@ -7,142 +7,90 @@ Every command parses its arguments, calls the library and prints the answer::
     $ echo '{"user_id": {"$hex": "f48b0440ca0c4f66991c4d5f6a078eaf"}}' | bagstore put
     $ bagstore query --index index_user_id user_id='{"$hex": "f48b0440ca0c4f66991c4d5f6a078eaf"}'
 
-JSON in and out: bytes are written ``{"$hex": "..."}`` and datetimes
-``{"$datetime": "ISO-8601"}``.  Any :class:`bagstore.BagstoreError` (and bad JSON)
-is one red line ``error: ...`` on stderr with exit code 2.
+JSON in and out (see :mod:`bagstore.cli_json`): every line printed is strict JSON;
+bytes are written ``{"$hex": "..."}``, datetimes ``{"$datetime": "ISO-8601"}``, ints
+of over 640 digits ``{"$int": "..."}``, nan and infinities ``{"$float": "nan"}``
+(``"inf"``, ``"-inf"``), and a dict that would read as one of these ``{"$dict": {...}}``.
+Input takes the same forms, plain ints of any length, and ``NaN``/``Infinity``.
+Text on stdin must be UTF-8.
+
+Errors: no traceback reaches the user.  Every failure is one red line
+``error: ...`` on stderr (click's usage errors too, with a ``try 'bagstore X --help'``
+hint on the same line), and the exit code says what happened:
+
+    ====  ===========================================================================
+    code  meaning
+    ====  ===========================================================================
+    0     done
+    1     ``get``: an id was not found; ``check``: missing or stale index rows found;
+          or an internal error (a bug: ``error: internal error: ...``; rerun with
+          ``BAGSTORE_DEBUG=1`` for the traceback)
+    2     bad input (arguments, options, JSON, config file) or an error of the store
+          (any :class:`bagstore.BagstoreError`, or the file system)
+    130   interrupted (Ctrl-C): ``error: interrupted``, and for work that can be
+          resumed the command that resumes it (``bagstore shard resume`` after
+          ``shard move/rebalance/resume``; the same command again after
+          ``clean --index NAME``, which goes on from its checkpoint, and after
+          ``key migrate``)
+    ====  ===========================================================================
 """
 
 from __future__ import annotations
 
-import errno
-import json
-import random
-import time
+import logging
+import shlex
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import click
 from click.core import ParameterSource
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import bagstore
+from bagstore import check as consistency
+from bagstore.backends.sqlite import wal_reset_advice
+from bagstore.cli_errors import (
+    BagstoreGroup,
+    CliError,
+    Interrupted,
+    resumable,
+    shown,
+    utf8_output,
+)
+from bagstore.cli_json import (
+    dumps_entity,
+    dumps_json,
+    loads_json,
+    parse_value,
+)
+from bagstore.cli_logging import setup_logging
+from bagstore.cli_progress import bar
 from bagstore.datastore import SQLITE_SHARD_FILE
 
-__all__ = ["cli", "dumps_entity", "loads_json", "main", "parse_filter_args"]
+__all__ = [
+    "CliError",
+    "Interrupted",
+    "cli",
+    "dumps_entity",
+    "loads_json",
+    "main",
+    "parse_filter_args",
+    "parse_value",
+    "resumable",
+]
 
 DEFAULT_STORE = "bagstore-data"
 DEFAULT_CONFIG = "bagstore.toml"
 QUERY_KEYWORDS = frozenset({"order", "limit", "cursor"})
-DEMO_WORDS = (
-    "python", "mysql", "sharding", "index", "cache", "friendfeed",
-    "yupoo", "photo", "link", "video", "music",
-)  # fmt: skip
+ALL_PAGE = 1000  # entities per page of `query --all` without --limit
 
 
-# -- errors ----------------------------------------------------------------------
-class CliError(click.ClickException):
-    """A failure the user can act on: one red ``error: ...`` line, exit code 2."""
-
-    exit_code = 2
-
-    def show(self, file: IO[Any] | None = None) -> None:
-        console = Console(file=file, stderr=file is None, highlight=False, soft_wrap=True)
-        console.print(f"[red]error: {escape(self.format_message())}[/red]")
-
-
-class _Group(click.Group):
-    """Turns library errors (and file-system errors such as an unwritable store
-    directory) raised by any subcommand into :class:`CliError`."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except bagstore.BagstoreError as exc:
-            raise CliError(str(exc)) from exc
-        except OSError as exc:
-            if exc.errno == errno.EPIPE:  # click handles a closed pipe itself
-                raise
-            raise CliError(str(exc)) from exc
-
-
-# -- JSON with bytes and datetimes -----------------------------------------------
-def _object_hook(obj: dict[str, Any]) -> Any:
-    if len(obj) != 1:
-        return obj
-    if "$hex" in obj:
-        text = obj["$hex"]
-        try:
-            return bytes.fromhex(text)
-        except (TypeError, ValueError):
-            raise CliError(f'bad {{"$hex": ...}} value {text!r}: expected hex digits') from None
-    if "$datetime" in obj:
-        text = obj["$datetime"]
-        try:
-            return datetime.fromisoformat(text)
-        except (TypeError, ValueError):
-            raise CliError(
-                f'bad {{"$datetime": ...}} value {text!r}: expected ISO-8601, '
-                'e.g. "2009-08-03T12:00:00+00:00"'
-            ) from None
-    return obj
-
-
-def loads_json(text: str, what: str = "input") -> Any:
-    """Parse JSON, turning ``{"$hex": ...}`` into bytes and ``{"$datetime": ...}``
-    into datetimes; bad JSON raises :class:`CliError`.
-
-    >>> loads_json('{"id": {"$hex": "00ff"}}')
-    {'id': b'\\x00\\xff'}
-    """
-    try:
-        return json.loads(text, object_hook=_object_hook)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"bad JSON in {what}: {exc}") from None
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return {"$hex": value.hex()}
-    if isinstance(value, datetime):
-        return {"$datetime": value.isoformat()}
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def dumps_entity(entity: Mapping[str, Any]) -> str:
-    """One entity as one line of JSON (bytes as ``{"$hex": ...}``, datetimes as
-    ``{"$datetime": ...}``).
-
-    >>> dumps_entity({"id": b"\\x01", "n": 1})
-    '{"id": {"$hex": "01"}, "n": 1}'
-    """
-    data = _jsonable(dict(entity))
-    text = json.dumps(data, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates: keep them as \\u escapes
-        text = json.dumps(data)
-    return text
-
-
-def parse_value(text: str) -> Any:
-    """A filter value: JSON when it parses (``5``, ``true``, ``"5"``, ``{"$hex": ..}``),
-    else the text itself as a string."""
-    try:
-        return json.loads(text, object_hook=_object_hook)
-    except json.JSONDecodeError:
-        return text
-
-
+# -- command-line input ------------------------------------------------------------
 def parse_filter_args(args: Sequence[str]) -> dict[str, Any]:
     """``["user_id={"$hex": "..."}", "published__gte=..."]`` -> keyword filters.
 
@@ -153,9 +101,11 @@ def parse_filter_args(args: Sequence[str]) -> dict[str, Any]:
     for arg in args:
         name, sep, raw = arg.partition("=")
         if not sep or not name:
-            raise click.UsageError(f"filter {arg!r} is not key=value (e.g. user_id=... n__gte=5)")
+            raise click.UsageError(
+                f"filter {shown(arg)} is not key=value (e.g. user_id=... n__gte=5)"
+            )
         if name in filters:
-            raise click.UsageError(f"filter {name!r} is given twice")
+            raise click.UsageError(f"filter {shown(name)} is given twice")
         value = parse_value(raw)
         if name.endswith("__in") and not isinstance(value, list):
             raise CliError(f'filter {name!r} takes a JSON list, e.g. {name}=\'["a", "b"]\'')
@@ -167,7 +117,33 @@ def _parse_id(text: str) -> bytes:
     try:
         return bytes.fromhex(text.strip())
     except ValueError:
-        raise CliError(f"bad id {text!r}: an id is 32 hex digits") from None
+        raise CliError(f"bad id {shown(text)}: an id is 32 hex digits") from None
+
+
+def _read_json_input(data: str | None) -> str:
+    """The text of ``put``: the argument, or stdin (``None`` or ``-``) as strict UTF-8
+    (a byte-order mark is skipped)."""
+    if data not in (None, "-"):
+        assert data is not None
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
+            raise CliError("the DATA argument is not UTF-8 text") from None
+        return data
+    stream = sys.stdin
+    if stream is None:
+        raise CliError("nothing to put: stdin is closed (give the JSON as an argument)")
+    buffer = getattr(stream, "buffer", None)
+    if buffer is None:  # a text-only stream someone put in place of stdin
+        return stream.read()
+    raw: bytes = buffer.read()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise CliError(
+            f"stdin is not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+            f"({exc.reason}); JSON text must be UTF-8"
+        ) from None
 
 
 # -- which store -------------------------------------------------------------------
@@ -199,6 +175,16 @@ class Target:
         return ctx.with_resource(ds)
 
 
+def _this_store(ctx: click.Context, command: str) -> str:
+    """``command`` (``bagstore ...``) with the --config or --store given here."""
+    root = ctx.find_root()
+    words = shlex.split(command)
+    for name in ("config", "store"):
+        if root.get_parameter_source(name) is ParameterSource.COMMANDLINE:
+            words[1:1] = [f"--{name}", str(root.params[name])]
+    return shlex.join(words)
+
+
 def _store(ctx: click.Context) -> bagstore.Datastore:
     target = ctx.find_object(Target)
     assert target is not None
@@ -214,7 +200,7 @@ def _err() -> Console:
 
 
 def _print_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, ensure_ascii=False))
+    click.echo(dumps_json(doc, indent=2))  # strict JSON: nan, bytes... in tagged forms
 
 
 def _index_doc(index: bagstore.Index, state: str) -> dict[str, Any]:
@@ -238,7 +224,7 @@ def _index_table(indexes: Mapping[str, tuple[bagstore.Index, str]]) -> Table:
 
 
 # -- the command group ---------------------------------------------------------------
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=BagstoreGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--config",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -252,15 +238,24 @@ def _index_table(indexes: Mapping[str, tuple[bagstore.Index, str]]) -> Table:
     show_envvar=True,
     help=f"A SQLite store directory (every shard a file). Default: ./{DEFAULT_STORE}.",
 )
+@click.option(
+    "-v", "--verbose", count=True, help="Log progress and events to stderr (-vv: debug too)."
+)
+@click.option("-q", "--quiet", is_flag=True, help="Log errors only (no warnings).")
 @click.version_option(bagstore.__version__, prog_name="bagstore")
 @click.pass_context
-def cli(ctx: click.Context, config: Path | None, store: Path | None) -> None:
+def cli(
+    ctx: click.Context, config: Path | None, store: Path | None, verbose: int, quiet: bool
+) -> None:
     """bagstore: schema-less entities sharded over SQLite files or MariaDB/MySQL
     databases, with secondary indexes added online.
 
-    JSON in and out: bytes are {"$hex": "..."}, datetimes {"$datetime": "ISO-8601"}.
-    Start with `bagstore demo`.
+    JSON in and out: bytes are {"$hex": "..."}, datetimes {"$datetime": "ISO-8601"},
+    ints of over 640 digits {"$int": "..."}, NaN and infinities {"$float": "nan"}
+    ("inf", "-inf").  Exit codes: 0 done, 1 not found or problems found, 2 bad
+    input or a store error, 130 interrupted.  Start with `bagstore demo`.
     """
+    setup_logging(ctx, verbose, quiet)
     if config is not None and store is not None:
         if ctx.get_parameter_source("store") is ParameterSource.ENVIRONMENT:
             store = None  # an explicit --config beats BAGSTORE_STORE
@@ -284,8 +279,9 @@ def cli(ctx: click.Context, config: Path | None, store: Path | None) -> None:
     type=click.IntRange(1, 65536),
     help="Logical shards, fixed at creation (default 1024).",
 )
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (as `status --json`).")
 @click.pass_context
-def init(ctx: click.Context, shards: int | None, buckets: int | None) -> None:
+def init(ctx: click.Context, shards: int | None, buckets: int | None, as_json: bool) -> None:
     """Create the store: a SQLite directory, or the shards a config file lists.
 
     Idempotent: on an existing store it checks the shards and changes nothing.
@@ -298,6 +294,7 @@ def init(ctx: click.Context, shards: int | None, buckets: int | None) -> None:
             raise click.UsageError("with --config set `buckets = N` in the config file")
         ds = ctx.with_resource(bagstore.Datastore.from_config(target.config))
         made = f"Store of {target.config} ready (databases and tables created where missing)"
+        created: bool | None = None  # (what a config's servers held before is not known)
     else:
         assert target.store is not None
         existed = target.sqlite_exists()
@@ -307,7 +304,12 @@ def init(ctx: click.Context, shards: int | None, buckets: int | None) -> None:
             if existed
             else f"Created a SQLite store in {target.store}"
         )
+        created = not existed
     status = ds.status()
+    if as_json:
+        docs = [_index_doc(i, state) for _, (i, state) in sorted(ds.indexes().items())]
+        _print_json({"created": created, **status, "indexes": docs})
+        return
     out = _out()
     out.print(
         f"{escape(made)}\n{len(status['shards'])} shards, {status['buckets']} buckets, "
@@ -349,19 +351,16 @@ def status(ctx: click.Context, as_json: bool) -> None:
         out.print(_index_table(indexes))
     else:
         out.print("No indexes (add one with `bagstore index add`).")
-    sqlite = report.get("sqlite")
-    if sqlite and sqlite["wal_reset_bug"]:
-        out.print(
-            f"[yellow]SQLite {sqlite['version']} has the WAL-reset bug (fixed in 3.51.3): "
-            "rare corruption with several writing connections; see "
-            "docs/configuration.md.[/]"
-        )
+    advice = wal_reset_advice() if report.get("sqlite") else None
+    if advice is not None:  # one line on stderr, only for a store of SQLite files
+        logging.getLogger("bagstore.cli").warning(advice)
 
 
 @cli.command(short_help="Store entities given as JSON.")
 @click.argument("data", required=False)
+@click.option("--json", "as_json", is_flag=True, help='Print {"ids": [...]} instead.')
 @click.pass_context
-def put(ctx: click.Context, data: str | None) -> None:
+def put(ctx: click.Context, data: str | None, as_json: bool) -> None:
     """Store entities given as JSON: an object, or a list of objects (put_many).
 
     DATA is the JSON text; without it (or with -) it is read from stdin.  The
@@ -374,8 +373,7 @@ def put(ctx: click.Context, data: str | None) -> None:
       bagstore put '{"title": "hi", "user_id": {"$hex": "f48b0440ca0c4f66991c4d5f6a078eaf"},
                      "published": {"$datetime": "2009-08-03T12:00:00+00:00"}}'
     """
-    text = click.get_text_stream("stdin").read() if data in (None, "-") else data
-    assert text is not None
+    text = _read_json_input(data)
     if not text.strip():
         raise CliError("nothing to put: give a JSON object as the argument or on stdin")
     doc = loads_json(text)
@@ -389,27 +387,37 @@ def put(ctx: click.Context, data: str | None) -> None:
         if any(isinstance(e, dict) and isinstance(e.get("id"), str) for e in entities):
             raise CliError(f'{exc} (in JSON an id is {{"$hex": "<32 hex digits>"}})') from exc
         raise
+    if as_json:
+        _print_json({"ids": [entity_id.hex() for entity_id in ids]})
+        return
     for entity_id in ids:
         click.echo(entity_id.hex())
 
 
 @cli.command(short_help="Print entities by id (hex).")
 @click.argument("ids", nargs=-1, required=True)
+@click.option(
+    "--json", "as_json", is_flag=True, help='End with a line {"missing": [ids]} (see docs/cli.md).'
+)
 @click.pass_context
-def get(ctx: click.Context, ids: tuple[str, ...]) -> None:
+def get(ctx: click.Context, ids: tuple[str, ...], as_json: bool) -> None:
     """Print the entities with these ids (hex), one JSON line each.
 
-    A missing id is reported on stderr and the exit code is 1.
+    A missing id is reported on stderr (with --json: in a last line
+    {"missing": [ids]}) and the exit code is 1.
     """
     wanted = [_parse_id(i) for i in ids]
     ds = _store(ctx)
-    missing = 0
+    missing = []
     for entity_id, entity in zip(wanted, ds.get_many(wanted), strict=True):
         if entity is None:
-            missing += 1
-            click.echo(f"not found: {entity_id.hex()}", err=True)
+            missing.append(entity_id.hex())
+            if not as_json:
+                click.echo(f"not found: {entity_id.hex()}", err=True)
         else:
             click.echo(dumps_entity(entity))
+    if as_json:
+        click.echo(dumps_json({"missing": missing}))
     if missing:
         ctx.exit(1)
 
@@ -423,6 +431,12 @@ def get(ctx: click.Context, ids: tuple[str, ...]) -> None:
 @click.option("--order", help="Order by this property; -prop for descending.")
 @click.option("--cursor", help="Continue after the page that printed this cursor.")
 @click.option("--partial", is_flag=True, help="Read a building index (needs --index).")
+@click.option(
+    "--all", "all_pages", is_flag=True, help="Page through to the end (--limit: the page size)."
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help='End with a line {"cursor": ...} (see docs/cli.md).'
+)
 @click.pass_context
 def query(
     ctx: click.Context,
@@ -432,13 +446,17 @@ def query(
     order: str | None,
     cursor: str | None,
     partial: bool,
+    all_pages: bool,
+    as_json: bool,
 ) -> None:
     """Find entities: FILTERS are key=value, with lookups key__gt, __gte, __lt,
     __lte and __in.
 
     Values are JSON when they parse (5, true, "quoted", {"$hex": "..."},
     {"$datetime": "..."}), else plain strings; __in takes a JSON list.  Prints
-    one JSON line per entity, and the next page's cursor on stderr.
+    one JSON line per entity, and the next page's cursor on stderr (with
+    --json: a last line {"cursor": "..."} on stdout, or {"cursor": null} at
+    the end).  --all reads page after page to the end.
 
     \b
     Examples:
@@ -450,29 +468,50 @@ def query(
     if partial and index_name is None:
         raise click.UsageError("--partial reads one building index: give it with --index")
     ds = _store(ctx)
+    page = limit if limit is not None or not all_pages else ALL_PAGE
     if index_name is not None:
         entry = ds.indexes().get(index_name)
         if entry is None:
             known = ", ".join(sorted(ds.indexes())) or "none"
             raise CliError(f"no index {index_name!r} on kind {ds.kind!r} (indexes: {known})")
-        result = ds.query_index(
-            entry[0], parsed, order=order, limit=limit, cursor=cursor, allow_partial=partial
-        )
+
+        def run(cursor: str | None) -> Any:
+            return ds.query_index(
+                entry[0], parsed, order=order, limit=page, cursor=cursor, allow_partial=partial
+            )
+
     else:
         clash = sorted(QUERY_KEYWORDS & parsed.keys())
         if clash:
             raise CliError(f"a filter on property {clash[0]!r} needs --index")
-        result = ds.query(order=order, limit=limit, cursor=cursor, **parsed)
-    for entity in result:
-        click.echo(dumps_entity(entity))
-    if result.cursor is not None:
+
+        def run(cursor: str | None) -> Any:
+            return ds.query(order=order, limit=page, cursor=cursor, **parsed)
+
+    try:
+        result = run(cursor)
+    except bagstore.NoIndexForQuery as exc:
+        if not exc.command:
+            raise
+        raise CliError(
+            "no ready index answers this query; add one with: " + _this_store(ctx, exc.command)
+        ) from exc
+    while True:
+        for entity in result:
+            click.echo(dumps_entity(entity))
+        if not all_pages or result.cursor is None:
+            break
+        result = run(result.cursor)
+    if as_json:
+        click.echo(dumps_json({"cursor": result.cursor}))
+    elif result.cursor is not None:
         click.echo(f"next cursor: {result.cursor}", err=True)
 
 
 # -- indexes -----------------------------------------------------------------------
-@cli.group("index", short_help="List, add, retire and drop indexes.")
+@cli.group("index", short_help="List, add, retire, drop and rename indexes.")
 def index_group() -> None:
-    """List, add, retire and drop secondary indexes (each a table on every shard)."""
+    """List, add, retire, drop and rename secondary indexes (each a table on every shard)."""
 
 
 @index_group.command("list")
@@ -494,9 +533,15 @@ def index_list(ctx: click.Context, as_json: bool) -> None:
 @click.option("--properties", required=True, help="Comma-separated property names, in index order.")
 @click.option("--shard-on", help="The property whose value places a row (default: the first).")
 @click.option("--unique", is_flag=True, help="At most one entity per value.")
+@click.option("--json", "as_json", is_flag=True, help="Print the index as JSON (as `index list`).")
 @click.pass_context
 def index_add(
-    ctx: click.Context, name: str, properties: str, shard_on: str | None, unique: bool
+    ctx: click.Context,
+    name: str,
+    properties: str,
+    shard_on: str | None,
+    unique: bool,
+    as_json: bool,
 ) -> None:
     """Register index NAME; its tables are created on every shard at once.
 
@@ -506,7 +551,10 @@ def index_add(
     props = [p.strip() for p in properties.split(",") if p.strip()]
     index = bagstore.Index(table=name, properties=props, shard_on=shard_on, unique=unique)
     state = _store(ctx).add_index(index)
-    click.echo(f"index {name}: {state}")
+    if as_json:
+        _print_json(_index_doc(index, state))
+    else:
+        click.echo(f"index {name}: {state}")
     if state == "building":
         click.echo(
             "every write maintains it from now on; entities stored before are not in it "
@@ -518,20 +566,47 @@ def index_add(
 
 @index_group.command("retire")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help='Print {"table": NAME, "state": "retired"}.')
 @click.pass_context
-def index_retire(ctx: click.Context, name: str) -> None:
+def index_retire(ctx: click.Context, name: str, as_json: bool) -> None:
     """Stop maintaining index NAME (queries on it fail; its tables stay)."""
     _store(ctx).retire_index(name)
-    click.echo(f"index {name}: retired")
+    if as_json:
+        _print_json({"table": name, "state": "retired"})
+    else:
+        click.echo(f"index {name}: retired")
 
 
 @index_group.command("drop")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help='Print {"table": NAME, "state": "dropped"}.')
 @click.pass_context
-def index_drop(ctx: click.Context, name: str) -> None:
+def index_drop(ctx: click.Context, name: str, as_json: bool) -> None:
     """Drop the tables of retired index NAME on every shard and forget it."""
     _store(ctx).drop_index(name)
-    click.echo(f"index {name}: dropped")
+    if as_json:
+        _print_json({"table": name, "state": "dropped"})
+    else:
+        click.echo(f"index {name}: dropped")
+
+
+@index_group.command("rename")
+@click.argument("old")
+@click.argument("new")
+@click.option("--settle", type=float, help="Seconds to wait before the backfill reads.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"table": NEW, "state": ...}.')
+@click.pass_context
+def index_rename(
+    ctx: click.Context, old: str, new: str, settle: float | None, as_json: bool
+) -> None:
+    """Replace index OLD by the same index named NEW: NEW is built and backfilled,
+    then OLD is retired and forgotten.  A table that is a kind's (an index named
+    like a kind, see `bagstore check`) is never dropped or written."""
+    state = _store(ctx).rename_index(old, new, settle=settle)
+    if as_json:
+        _print_json({"table": new, "state": state, "replaced": old})
+    else:
+        click.echo(f"index {new}: {state} (replaces {old})")
 
 
 # -- consistency -------------------------------------------------------------------
@@ -541,11 +616,14 @@ def index_drop(ctx: click.Context, name: str) -> None:
 def check(ctx: click.Context, as_json: bool) -> None:
     """Report index rows missing and stale (changes nothing).
 
-    Reads every entity and every index row.  Exit code 1 when anything is
-    missing or stale.
+    Reads every entity and every index row (a bar on stderr, on a terminal,
+    counts the entities read).  Exit code 1 when anything is missing or stale,
+    or when a name clash is found (an index named like a kind's table, made by
+    an older bagstore: `bagstore index rename` fixes it).
     """
     ds = _store(ctx)
-    report = ds.check()
+    with bar("check", "entities") as checking:
+        report = consistency.check(ds, progress=checking.update)
     if as_json:
         _print_json(report)
     else:
@@ -573,198 +651,27 @@ def check(ctx: click.Context, as_json: bool) -> None:
                     )
         else:
             out.print("No building or ready indexes to check.")
-        bad = int(report["missing"]) or int(report["stale"])
+        for clash in report.get("clashes", []):  # names that meet (bagstore.names)
+            out.print(
+                f"[red]name clash[/]: {clash['sort']} {clash['name']} (kind {clash['kind']}) "
+                f"meets {clash['with']}; fix: {clash['remedy']}",
+                markup=True,
+                highlight=False,
+            )
+        bad = int(report["missing"]) or int(report["stale"]) or report.get("clashes")
         verdict = "[red]inconsistent[/]" if bad else "[green]consistent[/]"
         out.print(f"{verdict}: {report['missing']} missing, {report['stale']} stale index rows")
-    if int(report["missing"]) or int(report["stale"]):
+    if int(report["missing"]) or int(report["stale"]) or report.get("clashes"):
         ctx.exit(1)
 
 
-# -- demo --------------------------------------------------------------------------
-def _rate(count: int | None, seconds: float) -> str:
-    return f"{count / seconds:,.0f}/s" if count and seconds > 0 else ""
-
-
-def _make_entries(count: int, rng: random.Random) -> list[dict[str, Any]]:
-    """FriendFeed-style entries from about 50 users, oldest first."""
-    users = [rng.randbytes(16) for _ in range(50)]
-    words = DEMO_WORDS
-    start = datetime(2009, 8, 3, 12, 0, tzinfo=UTC)
-    return [
-        {
-            "id": bagstore.new_id(),
-            "user_id": rng.choice(users),
-            "title": " ".join(rng.sample(words, 3)).capitalize(),
-            "link": f"http://example.com/entry/{n}",
-            "published": start + timedelta(seconds=37 * n + rng.randrange(30)),
-            "tags": rng.sample(words, rng.randrange(1, 4)),
-        }
-        for n in range(count)
-    ]
-
-
-@cli.command(short_help="FriendFeed-style sample data, an index added live.")
-@click.option(
-    "--dir",
-    "directory",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("bagstore-demo"),
-    show_default=True,
-    help="Where to create the demo's SQLite store.",
-)
-@click.option("--entries", type=click.IntRange(1, 1_000_000), default=3000, show_default=True)
-@click.option("--reset", is_flag=True, help="Replace a store already in --dir.")
-def demo(directory: Path, entries: int, reset: bool) -> None:
-    """FriendFeed-style sample data in a fresh SQLite store, read back by id and
-    through an index, then a second index added live and queried.
-
-    Ignores --store and --config: the demo always makes its own store in --dir.
-    """
-    shard_files = sorted(directory.glob("shard_*.db*"))
-    if shard_files and not reset:
-        raise CliError(
-            f"{str(directory)!r} already holds a bagstore store: pass --reset to replace it, "
-            "or --dir for another directory"
-        )
-    for f in shard_files:
-        f.unlink()
-    out, err = _out(), _err()
-    rng = random.Random(2009)
-    user_id_index = bagstore.Index(
-        table="index_user_id", properties=["user_id"], shard_on="user_id"
-    )
-    link_index = bagstore.Index(table="index_link", properties=["link"], shard_on="link")
-    timings: list[tuple[str, int | None, float]] = []
-
-    with bagstore.open(directory, indexes=[user_id_index], shards=4) as ds:
-        status = ds.status()
-        out.print(
-            f"[bold]bagstore demo[/]: a SQLite store in {escape(str(directory))}: "
-            f"{len(status['shards'])} shards, {status['buckets']} buckets, index_user_id ready"
-        )
-
-        # 1. Write entries in batches.
-        batch = 250
-        data = _make_entries(entries, rng)
-        started = time.perf_counter()
-        with Progress(
-            TextColumn("writing entries"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err,
-        ) as progress:
-            task = progress.add_task("put", total=entries)
-            for i in range(0, entries, batch):
-                part = data[i : i + batch]
-                ds.put_many(part)
-                progress.advance(task, len(part))
-        timings.append(("put_many (batches of 250)", entries, time.perf_counter() - started))
-
-        # 2. Read some back by id.
-        sample = rng.sample(data, min(200, entries))
-        started = time.perf_counter()
-        for entity in sample[:50]:
-            if ds.get(entity["id"]) != entity:
-                raise CliError(f"entity {entity['id'].hex()} did not read back as written")
-        timings.append(("get by id", len(sample[:50]), time.perf_counter() - started))
-        started = time.perf_counter()
-        if ds.get_many([e["id"] for e in sample]) != sample:
-            raise CliError("get_many did not read back what was written")
-        timings.append(("get_many by id", len(sample), time.perf_counter() - started))
-
-        # 3. Every user's entries through index_user_id.
-        users = sorted({e["user_id"] for e in data})
-        started = time.perf_counter()
-        found = sum(len(user_id_index.get_all(ds, user_id=u)) for u in users)
-        timings.append(
-            ("index_user_id.get_all per user", len(users), time.perf_counter() - started)
-        )
-        if found != entries:
-            raise CliError(f"index_user_id found {found} entries, {entries} were written")
-        first = users[0]
-        page = user_id_index.get_all(ds, user_id=first, limit=5)
-        pages = 1
-        while page.cursor is not None:
-            page = user_id_index.get_all(ds, user_id=first, limit=5, cursor=page.cursor)
-            pages += 1
-        out.print(
-            f"Wrote {entries} entries from {len(users)} users; index_user_id finds all "
-            f"{found}; user {first.hex()[:8]}... pages through in {pages} pages of 5."
-        )
-
-        # 4. Add index_link on the existing data: it is building.
-        started = time.perf_counter()
-        state = ds.add_index(link_index)
-        timings.append(
-            ("add index_link (tables on every shard)", None, time.perf_counter() - started)
-        )
-        out.print(f"Added index_link live on {entries} existing entries: it is [yellow]{state}[/].")
-        old_link = data[0]["link"]
-        try:
-            ds.query(link=old_link)
-        except bagstore.IndexNotReady as exc:
-            out.print(f"  ds.query(link=...) says: {escape(str(exc))}")
-        fresh = {
-            "user_id": first,
-            "title": "Written after the index",
-            "link": "http://example.com/new",
-        }
-        ds.put(fresh)
-        seen = link_index.get_all(ds, link=fresh["link"], allow_partial=True)
-        old = link_index.get_all(ds, link=old_link, allow_partial=True)
-        out.print(
-            f"  a new entry is in it at once ({len(seen)} found with allow_partial=True); "
-            f"an old one is not yet ({len(old)} found)."
-        )
-
-        # 5. Backfill it (no other process writes this store: no need to let
-        # other writers learn of the index first).
-        started = time.perf_counter()
-        counts = bagstore.Cleaner(ds, settle=0).backfill("index_link")
-        timings.append(("Cleaner backfill of index_link", entries, time.perf_counter() - started))
-        state = ds.indexes()["index_link"][1]
-        out.print(f"Backfilled index_link ({counts.written} rows written): it is now {state}.")
-        result = link_index.get_all(ds, link=old_link, allow_partial=state != "ready")
-        out.print(f"  the old entry's link now finds {len(result)} entity.")
-
-        # 6. Consistency report.
-        started = time.perf_counter()
-        report = ds.check()
-        timings.append(
-            ("check (every entity and index row)", entries + 1, time.perf_counter() - started)
-        )
-        per_index = report["indexes"]
-        out.print(
-            "check(): "
-            + ", ".join(
-                f"{name} {d['missing']} missing / {d['stale']} stale"
-                for name, d in sorted(per_index.items())
-            )
-        )
-        final = ds.status()
-
-    summary = Table(title="Summary", title_justify="left")
-    summary.add_column("step")
-    summary.add_column("items", justify="right")
-    summary.add_column("seconds", justify="right")
-    summary.add_column("rate", justify="right")
-    for step, count, seconds in timings:
-        items = "" if count is None else str(count)
-        summary.add_row(step, items, f"{seconds:.3f}", _rate(count, seconds))
-    out.print(summary)
-    out.print(
-        f"{final['entities']} entities over {len(final['shards'])} shards in "
-        f"{escape(str(directory))}.  Look around: bagstore --store {escape(str(directory))} status"
-    )
-
-
-# The operational commands (clean, shard, key, seq, bench) register on `cli`.
-from bagstore import cli_ops  # noqa: E402, F401
+# The operational commands (clean, shard, key, seq, bench) and the demo register on `cli`.
+from bagstore import cli_demo, cli_ops  # noqa: E402, F401
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """The console script ``bagstore`` (and ``python -m bagstore``)."""
+    utf8_output()
     cli.main(args=list(argv) if argv is not None else None, prog_name="bagstore")
 
 

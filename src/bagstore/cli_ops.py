@@ -14,21 +14,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskProgressColumn,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
 import bagstore
@@ -41,24 +33,14 @@ from bagstore.cli import (
     _store,
     cli,
     parse_value,
+    resumable,
 )
+from bagstore.cli_json import dumps_json
+from bagstore.cli_progress import Bar, bar
 from bagstore.config import load_config
 from bagstore.scaleout import DEFAULT_BATCH, DEFAULT_DUTY
 
 __all__ = ["bench", "clean", "key_group", "seq_group", "shard_group"]
-
-
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TaskProgressColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=_err(),
-        transient=False,
-    )
 
 
 def _pacing(duty: float, duty_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -76,6 +58,19 @@ def _pacing(duty: float, duty_help: str) -> Callable[[Callable[..., Any]], Calla
     return add
 
 
+def _index_state(ds: bagstore.Datastore, name: str, states: tuple[str, ...], why: str) -> str:
+    """The state of index ``name``, which must be one of ``states``: else a
+    CliError (``index NAME is retired: WHY``), before any work or bar starts."""
+    indexes = ds.indexes()
+    if name not in indexes:
+        known = ", ".join(sorted(indexes)) or "none"
+        raise CliError(f"no index {name!r} on kind {ds.kind!r} (indexes: {known})")
+    state = indexes[name][1]
+    if state not in states:
+        raise CliError(f"index {name!r} is {state}: {why}")
+    return state
+
+
 # -- clean ---------------------------------------------------------------------------
 @cli.command(short_help="Backfill an index, or repair indexes (once or continuously).")
 @click.option("--index", "table", metavar="NAME", help="Backfill this (building) index.")
@@ -88,6 +83,13 @@ def _pacing(duty: float, duty_help: str) -> Callable[[Callable[..., Any]], Calla
     "take turns (0: every shard at once, flat out).",
 )
 @click.option("--interval", default=1.0, show_default=True, help="Seconds between --follow passes.")
+@click.option(
+    "--settle",
+    type=click.FloatRange(0, 86400),
+    help="Seconds between an index's registration and its backfill's first read "
+    "(default: the store's refresh_interval + 1, so that every writer maintains it "
+    "by then; 0 when no other process writes).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
 @click.pass_context
 def clean(
@@ -99,6 +101,7 @@ def clean(
     max_rate: float | None,
     duty: float,
     interval: float,
+    settle: float | None,
     as_json: bool,
 ) -> None:
     """Run the Cleaner.
@@ -107,38 +110,45 @@ def clean(
     progress with rate and ETA, and marks it ready.  Ctrl-C stops after the
     current batch; run the same command again to resume from the checkpoint.
     --repair writes missing and deletes stale index rows once; --follow keeps
-    doing it from the last time it saw.
+    doing it from the last time it saw (with --json: one JSON line per pass
+    that changed something).  The time reported includes every wait.
     """
     if sum(map(bool, (table, repair, follow))) != 1:
         raise click.UsageError("give exactly one of --index NAME, --repair, --follow")
     ds = _store(ctx)
-    cleaner = bagstore.Cleaner(ds, batch=batch, max_rate=max_rate, duty=duty)
+    if table is not None:
+        resumable(ctx)  # Ctrl-C: the same command resumes from the backfill's checkpoint
+        _index_state(ds, table, ("building", "ready"), "nothing to backfill")
+    cleaner = bagstore.Cleaner(ds, batch=batch, max_rate=max_rate, duty=duty, settle=settle)
     stats: bagstore.CleanStats
     try:
         if table is not None:
-            with _progress() as progress:
-                task = progress.add_task(f"backfill {table}", total=None)
+            with bar(f"backfill {table}", "entities") as shown:
+                shown.describe(f"backfill {table}: waiting for every writer to maintain it")
 
                 def advance(done: int, total: int) -> None:
-                    progress.update(task, completed=done, total=total)
+                    shown.describe(f"backfill {table}")
+                    shown.update(done, total)
 
                 stats = cleaner.backfill(table, progress=advance)
             ready = ds.indexes().get(table, (None, "?"))[1]
             _err().print(f"{table}: {ready}")
         elif repair:
-            stats = cleaner.repair()
+            with bar("repair", "entities") as shown:
+                stats = cleaner.repair(progress=shown.update)
         else:
             err = _err()
             err.print("repairing continuously; Ctrl-C stops")
 
             def report(s: bagstore.CleanStats) -> None:
-                if s.written or s.removed:
+                if (s.written or s.removed) and as_json:
+                    click.echo(dumps_json(s.as_dict()))
+                elif s.written or s.removed:
                     err.print(f"wrote {s.written}, removed {s.removed} ({s.entities} entities)")
 
             stats = cleaner.follow(interval=interval, on_pass=report)
     except KeyboardInterrupt:
-        _err().print("stopped; run the same command again to resume")
-        raise SystemExit(130) from None
+        raise  # the group prints `error: interrupted` (and how to resume), exit 130
     if as_json:
         _print_json(stats.as_dict())
     else:
@@ -164,7 +174,8 @@ def shard_list(ctx: click.Context, as_json: bool) -> None:
     status = ds.status()
     moves = bagstore.Mover(ds).unfinished()
     if as_json:
-        _print_json({"shards": status["shards"], "unfinished_moves": moves})
+        advice = bagstore.Mover(ds).server_advice()
+        _print_json({"shards": status["shards"], "unfinished_moves": moves, "advice": advice})
         return
     table = Table(title=f"{status['buckets']} buckets", title_justify="left")
     for column in ("shard", "name", "buckets", "entities"):
@@ -180,26 +191,59 @@ def shard_list(ctx: click.Context, as_json: bool) -> None:
 
 @shard_group.command("add")
 @click.argument("url")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def shard_add(ctx: click.Context, url: str) -> None:
+def shard_add(ctx: click.Context, url: str, as_json: bool) -> None:
     """Register a new, empty shard (a database URL).  Then move buckets to it
     with `shard rebalance` or `shard move`."""
     number = _store(ctx).add_shard(url)
-    _out().print(f"added shard {number}: {url}")
+    if as_json:
+        _print_json({"shard": number, "url": url})
+    else:
+        _out().print(f"added shard {number}: {url}")
 
 
-def _advise(ds: bagstore.Datastore) -> None:
+def _advise(ds: bagstore.Datastore, *, to_stderr: bool = False) -> None:
     """Print what the shards' servers should change before buckets move."""
+    out = _err() if to_stderr else _out()
     for line in bagstore.Mover(ds).server_advice():
-        _out().print(f"[yellow]{escape(line)}[/]")
+        out.print(f"[yellow]{escape(line)}[/]")
 
 
-def _move_report(stats: bagstore.MoveStats) -> None:
+def _move_report(stats: bagstore.MoveStats, as_json: bool) -> None:
+    if as_json:
+        _print_json(
+            {
+                "buckets": stats.buckets,
+                "entities": stats.entities,
+                "index_rows": stats.index_rows,
+                "deleted": stats.deleted,
+                "longest_freeze": round(stats.longest_freeze, 3),
+                "seconds": round(stats.seconds, 3),
+            }
+        )
+        return
     _out().print(
         f"moved {stats.buckets} buckets: {stats.entities} entities, {stats.index_rows} index "
         f"rows copied, {stats.deleted} source rows deleted in {stats.seconds:.1f}s "
         f"(longest freeze {stats.longest_freeze * 1000:.0f} ms)"
     )
+
+
+def _mover(ds: bagstore.Datastore, shown: Bar, **options: Any) -> bagstore.Mover:
+    """A Mover whose buckets, copied rows and waits advance the bar ``shown``."""
+
+    def step(phase: str, rows: int) -> None:
+        if phase == "copy":
+            shown.describe("moving buckets")
+            shown.add_rows(rows)
+        elif phase == "grace":
+            shown.describe(f"keeping the source copies {mover.grace:g}s for stale readers")
+        elif phase == "delete":
+            shown.describe("deleting the source copies")
+
+    mover = bagstore.Mover(ds, progress=shown.update, on_step=step, **options)
+    return mover
 
 
 def _move_pacing(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -218,10 +262,15 @@ def _move_pacing(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
+_GRACE = click.FloatRange(0, 86400)
+_GRACE_HELP = "Seconds to keep the source copies for stale readers (default: refresh_interval + 1)."
+
+
 @shard_group.command("move")
 @click.option("--to", "target", required=True, help="Target shard: its number or name.")
-@click.option("--grace", type=float, default=None, help="Seconds to keep the source copy.")
+@click.option("--grace", type=_GRACE, default=None, help=_GRACE_HELP)
 @_move_pacing
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
 @click.argument("buckets", nargs=-1, type=int, required=True)
 @click.pass_context
 def shard_move(
@@ -231,44 +280,70 @@ def shard_move(
     duty: float,
     max_rate: float | None,
     batch: int,
+    as_json: bool,
     buckets: tuple[int, ...],
 ) -> None:
-    """Move BUCKETS to a shard while serving (copy, freeze, sync, switch)."""
+    """Move BUCKETS to a shard while serving (copy, freeze, sync, switch).
+    A bar on stderr (on a terminal) counts the buckets and the rows copied."""
+    resumable(ctx, "shard", "resume")
     to: int | str = int(target) if target.isdigit() else target
     ds = _store(ctx)
-    _advise(ds)
-    _move_report(
-        ds.move_buckets(list(buckets), to, grace=grace, duty=duty, max_rate=max_rate, batch=batch)
-    )
+    _advise(ds, to_stderr=True)
+    pacing = {"grace": grace, "duty": duty, "max_rate": max_rate, "batch": batch}
+    with bar("moving buckets", "buckets", rows="rows copied") as shown:
+        stats = _mover(ds, shown, **pacing).move(list(buckets), to)
+    _move_report(stats, as_json)
 
 
 @shard_group.command("rebalance")
-@click.option("--grace", type=float, default=None, help="Seconds to keep source copies.")
+@click.option("--grace", type=_GRACE, default=None, help=_GRACE_HELP)
 @_move_pacing
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
 @click.pass_context
 def shard_rebalance(
-    ctx: click.Context, grace: float | None, duty: float, max_rate: float | None, batch: int
+    ctx: click.Context,
+    grace: float | None,
+    duty: float,
+    max_rate: float | None,
+    batch: int,
+    as_json: bool,
 ) -> None:
-    """Move buckets until every shard holds an even share."""
+    """Move buckets until every shard holds an even share.  A bar on stderr
+    (on a terminal) counts the buckets and the rows copied."""
+    resumable(ctx, "shard", "resume")
     ds = _store(ctx)
-    _advise(ds)
-    _move_report(ds.rebalance(grace=grace, duty=duty, max_rate=max_rate, batch=batch))
+    _advise(ds, to_stderr=True)
+    pacing = {"grace": grace, "duty": duty, "max_rate": max_rate, "batch": batch}
+    with bar("moving buckets", "buckets", rows="rows copied") as shown:
+        stats = _mover(ds, shown, **pacing).rebalance()
+    _move_report(stats, as_json)
 
 
 @shard_group.command("resume")
+@click.option("--grace", type=_GRACE, default=None, help=_GRACE_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
 @click.pass_context
-def shard_resume(ctx: click.Context) -> None:
-    """Finish the moves a killed process left unfinished."""
-    _move_report(bagstore.Mover(_store(ctx)).resume())
+def shard_resume(ctx: click.Context, grace: float | None, as_json: bool) -> None:
+    """Finish the moves a killed process left unfinished (with a bar, as
+    `shard move`)."""
+    resumable(ctx, "shard", "resume")
+    ds = _store(ctx)
+    with bar("resuming moves", "buckets", rows="rows copied") as shown:
+        stats = _mover(ds, shown, grace=grace).resume()
+    _move_report(stats, as_json)
 
 
 @shard_group.command("rollback")
 @click.argument("bucket", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def shard_rollback(ctx: click.Context, bucket: int) -> None:
+def shard_rollback(ctx: click.Context, bucket: int, as_json: bool) -> None:
     """Undo an unfinished move of BUCKET that has not switched yet."""
     bagstore.Mover(_store(ctx)).rollback(bucket)
-    _out().print(f"bucket {bucket}: move rolled back")
+    if as_json:
+        _print_json({"bucket": bucket, "rolled_back": True})
+    else:
+        _out().print(f"bucket {bucket}: move rolled back")
 
 
 # -- key -----------------------------------------------------------------------------
@@ -280,18 +355,58 @@ def key_group() -> None:
 @key_group.command("migrate")
 @click.option("--kind", required=True, help="The kind (entities table).")
 @click.option("--shard-key", required=True, help="The property the kind is placed by.")
-@click.option("--wait", type=float, default=None, help="Seconds to let caches expire.")
+@click.option(
+    "--wait",
+    type=click.FloatRange(0, 86400),
+    default=None,
+    help="Seconds to let processes drop cached directory entries (default: the cache's lifetime).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.argument("key")
 @click.argument("bucket", type=int)
 @click.pass_context
 def key_migrate(
-    ctx: click.Context, kind: str, shard_key: str, wait: float | None, key: str, bucket: int
+    ctx: click.Context,
+    kind: str,
+    shard_key: str,
+    wait: float | None,
+    as_json: bool,
+    key: str,
+    bucket: int,
 ) -> None:
     """Move every entity of shard key KEY to BUCKET (KEY parsed as JSON when it
-    parses, e.g. 42 or {"$hex": "..."}; else a string)."""
+    parses, e.g. 42 or {"$hex": "..."}; else a string).  KIND must exist.  A bar
+    on stderr (on a terminal) shows the wait, then the old bucket being read."""
+    resumable(ctx)  # re-running it finishes the job (the key stays migrating until then)
+    kinds = _store(ctx).catalog.kinds()
+    if kind not in kinds:  # opening it would register it: refuse before that
+        raise CliError(f"no kind {kind!r} in this store (kinds: {', '.join(kinds) or 'none'})")
     placed = _store_of_kind(ctx, kind=kind, shard_key=shard_key, shard_map="directory")
-    moved = placed.migrate_key(parse_value(key), bucket, wait=wait)
-    _out().print(f"moved {moved} entities of {key!r} to bucket {bucket}")
+    value = parse_value(key)
+    started = time.monotonic()
+    with bar(f"migrating {key}", "entities") as shown:
+
+        def step(phase: str, rows: int) -> None:
+            if phase == "wait":
+                shown.describe(f"{key}: waiting for processes to drop cached directory entries")
+            else:
+                shown.describe(f"migrating {key}: reading bucket")
+
+        mover = bagstore.Mover(placed, progress=shown.update, on_step=step)
+        moved = mover.migrate_key(value, bucket, wait=wait)
+    seconds = time.monotonic() - started
+    if as_json:
+        _print_json(
+            {
+                "kind": kind,
+                "key": value,  # in the tagged forms of entity values
+                "bucket": bucket,
+                "moved": moved,
+                "seconds": round(seconds, 3),
+            }
+        )
+    else:
+        _out().print(f"moved {moved} entities of {key!r} to bucket {bucket} in {seconds:.1f}s")
 
 
 def _store_of_kind(ctx: click.Context, **options: Any) -> bagstore.Datastore:
@@ -317,13 +432,19 @@ def seq_group() -> None:
 @seq_group.command("next")
 @click.argument("name")
 @click.option("-n", "count", default=1, show_default=True, help="How many ids.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def seq_next(ctx: click.Context, name: str, count: int) -> None:
-    """Print the next COUNT ids of sequence NAME, one per line."""
+def seq_next(ctx: click.Context, name: str, count: int, as_json: bool) -> None:
+    """Print the next COUNT ids of sequence NAME, one per line (a sequence
+    is created by its first use)."""
     if count < 1:
         raise CliError("-n must be at least 1")
     sequence = _store(ctx).sequence(name)
-    for value in sequence.next_many(count):
+    values = sequence.next_many(count)
+    if as_json:
+        _print_json({"name": name, "ids": list(values)})
+        return
+    for value in values:
         click.echo(value)
 
 
