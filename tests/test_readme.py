@@ -143,3 +143,36 @@ def test_the_examples_in_docs_configuration_md_run(
         assert (tmp_path / "data" / "shard_0.db").exists()  # bagstore.open("data/", shards=4)
     finally:
         servers.drop_databases(m.host, m.port, names, m.user, m.password)
+
+
+def test_the_readme_command_line_example_runs(tmp_path: Path) -> None:
+    """The README's first shell block, then "More of the command line" on the same
+    store, as written, in bash (``set -e``): the store and the demo's land in
+    ``mktemp -d`` directories, here under ``tmp_path``."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    first = next(b for b in _blocks("sh") if b.startswith("export BAGSTORE_STORE="))
+    more = next(b for b in _blocks("sh") if b.startswith("bagstore index add index_title"))
+    block = first + more
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp_path),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    env.pop("BAGSTORE_STORE", None)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    found = [json.loads(line) for line in lines if line.startswith('{"user_id"')]
+    assert len(found) == 3 and {e["title"] for e in found} == {"hi"}  # get, query, query --all
+    assert '{"cursor": null}' in lines
+    assert "consistent: 0 missing, 0 stale index rows" in lines
+    assert "wrote 3 rows, removed 0, read 3 entities" in done.stdout  # the backfill
+    assert [line for line in lines if line.isdigit()] == ["1", "2", "3", "4", "5"]  # seq next
+    assert len(list(tmp_path.iterdir())) == 2  # the store and the demo's directory
