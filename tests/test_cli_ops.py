@@ -182,7 +182,8 @@ def test_bars_on_a_terminal_count_entities_not_kilobytes(
 ) -> None:
     """On a terminal `clean` draws its bar on stderr (stdout keeps the result
     alone), with the rate in entities/s: it used to say kB/s."""
-    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich 14 and later
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich 13
     store = tmp_path / "s"
     _store_with_index(store)
     result = ok(store, "clean", "--index", "index_link", "--settle", "0", "--json")
