@@ -96,12 +96,25 @@ def test_bad_ids_on_read_and_delete(seeded: bagstore.Datastore, bad: object) -> 
         ("mysql://root@127.0.0.1:3306/bad-name", "not a plain identifier"),
         ("mysql://root@127.0.0.1:3306/db?colour=blue", "unknown option"),
         ("mysql://root@127.0.0.1:99999/db", "bad port"),
+        ("mysql://root@127.0.0.1:0/db", "bad port 0"),
+        ("mysql://:@:0/", "bad port 0"),
+        ("mysql://:@/db", "no host"),
+        ("mysql://root@:3306/db", "no host"),
         ("mysql://root@127.0.0.1:3306/db?driver=oracle", "unknown MySQL driver"),
     ],
 )
 def test_bad_urls(url: str, message: str) -> None:
     with pytest.raises(bagstore.ConfigurationError, match=message):
         bagstore.Datastore([url])
+
+
+@pytest.mark.parametrize("value", ["5", "true", '""', "[1]"])
+def test_a_config_path_that_is_not_a_directory_name(tmp_path: Path, value: str) -> None:
+    config = tmp_path / "bagstore.toml"
+    config.write_text(f"[bagstore]\npath = {value}\n")
+    with pytest.raises(bagstore.ConfigurationError, match="must be a directory name"):
+        bagstore.Datastore.from_config(config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bagstore.toml"]  # nothing made
 
 
 def test_bad_shard_lists(tmp_path: Path) -> None:

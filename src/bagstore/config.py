@@ -68,6 +68,11 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"unknown key(s) {sorted(unknown)} in [bagstore] of {os.fspath(path)!r}"
         )
     if "path" in section:
+        if not isinstance(section["path"], str) or not section["path"]:
+            raise ConfigurationError(
+                f"path in [bagstore] of {os.fspath(path)!r} must be a directory name (a string), "
+                f"not {section['path']!r}"
+            )
         base = os.path.dirname(os.path.abspath(path))
         section["path"] = os.path.join(base, str(section["path"]))
     return section

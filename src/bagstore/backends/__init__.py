@@ -140,9 +140,14 @@ def open_backend(
     driver = query.get("driver") or (scheme.split("+", 1)[1] if "+" in scheme else "pymysql")
     database = unquote(parts.path.lstrip("/")) or defaults.database
     try:
-        port_no = parts.port or 3306
+        port_no = 3306 if parts.port is None else parts.port
     except ValueError:
         raise ConfigurationError(f"bad port in {redact(url)!r}") from None
+    if port_no == 0:
+        raise ConfigurationError(f"bad port 0 in {redact(url)!r}")
+    if parts.netloc and not parts.hostname:
+        # "mysql://:@:0/" must not quietly mean root@127.0.0.1:3306
+        raise ConfigurationError(f"no host in {redact(url)!r} (mysql://user@host:port/database)")
     kwargs: dict[str, Any] = {
         "host": parts.hostname or "127.0.0.1",
         "port": port_no,
