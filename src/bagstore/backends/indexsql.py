@@ -472,29 +472,22 @@ class IndexOps:
         self, table: str, columns: Sequence[str], ids: Sequence[bytes]
     ) -> list[IndexRow]:
         """Every row of the table that points at one of ``ids``."""
-        d = self.dialect
-        cols = (*columns, ENTITY_ID, BUCKET)
-        out: list[IndexRow] = []
-        n = len(columns)
-        for start in range(0, len(ids), 500):
-            part = list(ids[start : start + 500])
-            rows = self.fetchall(
-                f"SELECT {', '.join(d.q(c) for c in cols)} FROM {d.q(table)} "
-                f"WHERE {ENTITY_ID} IN ({d.params(len(part))})",
-                part,
-            )
-            out += [
-                IndexRow(tuple(bytes(v) for v in r[:n]), bytes(r[n]), int(r[n + 1])) for r in rows
-            ]
-        return out
+        return [row for row, _ in self._rows_pointing_at(table, columns, ids, claimed=False)]
 
     def claims_of_entities(
         self, table: str, columns: Sequence[str], ids: Sequence[bytes]
     ) -> list[tuple[IndexRow, int]]:
         """``(row, claimed)`` of every row of a unique index's table that points
         at one of ``ids``."""
+        return self._rows_pointing_at(table, columns, ids, claimed=True)
+
+    def _rows_pointing_at(
+        self, table: str, columns: Sequence[str], ids: Sequence[bytes], *, claimed: bool
+    ) -> list[tuple[IndexRow, int]]:
+        """``(row, claimed)`` of the rows pointing at ``ids`` (``claimed`` 0
+        unless asked for: only unique tables have the column)."""
         d = self.dialect
-        cols = (*columns, ENTITY_ID, BUCKET, CLAIMED)
+        cols = (*columns, ENTITY_ID, BUCKET, *((CLAIMED,) if claimed else ()))
         out: list[tuple[IndexRow, int]] = []
         n = len(columns)
         for start in range(0, len(ids), 500):
@@ -507,7 +500,7 @@ class IndexOps:
             out += [
                 (
                     IndexRow(tuple(bytes(v) for v in r[:n]), bytes(r[n]), int(r[n + 1])),
-                    int(r[n + 2]),
+                    int(r[n + 2]) if claimed else 0,
                 )
                 for r in rows
             ]
