@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -37,17 +38,29 @@ def mysql_main() -> servers.MySQLAddress:
     return MYSQL
 
 
-@pytest.fixture(scope="session")
-def mysql_second() -> Iterator[servers.MariaDBServer]:
-    """A second MariaDB server, started for this test session."""
+S = TypeVar("S", servers.MariaDBServer, servers.Memcached)
+
+
+@contextmanager
+def started(server: S) -> Iterator[S]:
+    """``server`` started (skipped, or failed in CI, when it cannot be), and
+    stopped by pid when the block ends."""
     try:
-        server = servers.MariaDBServer()
         server.start()
     except servers.ServerUnavailable as exc:
         _need(str(exc))
         raise
-    yield server
-    server.stop()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mysql_second() -> Iterator[servers.MariaDBServer]:
+    """A second MariaDB server, started for this test session."""
+    with started(servers.MariaDBServer()) as server:
+        yield server
 
 
 class Topology:

@@ -28,7 +28,7 @@ from bagstore.cache.request import current
 from bagstore.errors import ConfigurationError
 from bagstore.query import parse_filters, plan_query
 from tests import servers
-from tests.conftest import Topology, _need
+from tests.conftest import Topology, _need, started
 
 user_pub = bagstore.Index(
     table="index_user_published", properties=["user_id", "published"], shard_on="user_id"
@@ -50,13 +50,8 @@ _names = itertools.count(1)
 @pytest.fixture(scope="module")
 def memcached_server() -> Iterator[servers.Memcached]:
     """A private memcached for this module."""
-    try:
-        server = servers.Memcached().start()
-    except servers.ServerUnavailable as exc:
-        _need(str(exc))
-        raise
-    yield server
-    server.stop()
+    with started(servers.Memcached()) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

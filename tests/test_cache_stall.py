@@ -40,7 +40,7 @@ import bagstore
 from bagstore.cache import shared as shared_mod
 from bagstore.cache.shared import HOLD, OK, SUSPECT, WARMING, Shared, State, parse
 from tests import servers
-from tests.conftest import Topology, _need
+from tests.conftest import Topology, started
 
 user_pub = bagstore.Index(
     table="index_user_published", properties=["user_id", "published"], shard_on="user_id"
@@ -53,15 +53,8 @@ RECOVERY = 30.0
 @pytest.fixture
 def memcached() -> Iterator[servers.Memcached]:
     """A private memcached, stopped by pid at the end."""
-    try:
-        server = servers.Memcached().start()
-    except servers.ServerUnavailable as exc:
-        _need(str(exc))
-        raise
-    try:
+    with started(servers.Memcached()) as server:
         yield server
-    finally:
-        server.stop()
 
 
 class StallProxy:

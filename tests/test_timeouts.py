@@ -27,7 +27,7 @@ import bagstore
 from bagstore.backends import open_backend
 from bagstore.backends.pool import Pool, in_long_statements, long_statements
 from tests import servers
-from tests.conftest import DRIVER, _need
+from tests.conftest import DRIVER, started
 
 #: On mysqlclient a read timeout is an error 2013, like a lost connection
 #: (ShardUnavailable), and timeouts cannot change per statement.
@@ -39,19 +39,13 @@ pymysql_only = pytest.mark.skipif(
 @pytest.fixture
 def stalled_server() -> Iterator[servers.MariaDBServer]:
     """A MariaDB server of this test's own (it is stopped with SIGSTOP)."""
-    try:
-        server = servers.MariaDBServer()
-        server.start()
-    except servers.ServerUnavailable as exc:
-        _need(str(exc))
-        raise
-    try:
-        yield server
-    finally:
-        pid = server.pid
-        if pid is not None:
-            os.kill(pid, signal.SIGCONT)
-        server.stop()
+    with started(servers.MariaDBServer()) as server:
+        try:
+            yield server
+        finally:
+            pid = server.pid
+            if pid is not None:
+                os.kill(pid, signal.SIGCONT)
 
 
 def _count_new_connections(mp: pytest.MonkeyPatch, backend: object) -> list[object]:
