@@ -139,7 +139,7 @@ def _clashes(ds: Datastore) -> list[dict[str, Any]]:
     kind's indexes whose table on some shard is not theirs: each set aside."""
     found = clashes(ds.catalog.kinds(), ds.index_catalog.all_entries())
     named = {c["name"] for c in found}
-    for table in sorted(ds.clashing - named):
+    for table in sorted(ds.index_tables.clashing - named):
         found.append(
             {
                 "name": table,

@@ -9,14 +9,12 @@
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from bagstore import codec, suggest
+from bagstore import codec
 from bagstore.backends import Backend, MySQLDefaults, Stored, check_identifier
 from bagstore.backends.pool import long_statements
 from bagstore.cache import open_layer
@@ -25,15 +23,15 @@ from bagstore.cache.shared import CatalogCell
 from bagstore.catalog import Catalog, IndexCatalog, Placement, check_stamps
 from bagstore.errors import (
     ConfigurationError,
-    IndexNotReady,
     InvalidEntity,
     InvalidQuery,
-    NoIndexForQuery,
 )
-from bagstore.index import BUILDING, READY, RETIRED, Index, Registry
+from bagstore.index import RETIRED, Index, Registry
+from bagstore.index_tables import IndexTables
 from bagstore.indexer import Indexer
-from bagstore.names import check_new_index, check_new_kind
-from bagstore.query import Plan, QueryResult, execute, parse_filters, plan_query
+from bagstore.names import check_new_kind
+from bagstore.queries import Queries
+from bagstore.query import QueryResult
 from bagstore.reads import Reads
 from bagstore.sharding.placer import Placer
 from bagstore.sharding.router import Router
@@ -43,8 +41,6 @@ from bagstore.writes import Writes, check_id
 __all__ = ["DataStore", "Datastore", "open"]
 
 SQLITE_SHARD_FILE = "shard_{}.db"
-
-log = logging.getLogger(__name__)
 
 
 class Datastore:
@@ -165,17 +161,9 @@ class Datastore:
             raise
         kind = self.kind
         self.router.on_new_shard = lambda backend: backend.ensure_kind(kind)
-        self._buckets = placement.buckets
         self.placer = Placer(self.router, self.kind, shard_key, shard_map)
         self._sequences: dict[tuple[str, int, int], Any] = {}
         self.index_catalog = IndexCatalog(catalog_backend)
-        self._registry = Registry()
-        self._registry_at = 0.0
-        #: index tables created on every shard
-        self.tables_ready: set[str] = set()
-        #: registered indexes whose table on some shard is not theirs (a kind's,
-        #: from a store made before bagstore.names): neither written nor read
-        self.clashing: set[str] = set()
         try:
             # level 1 always, level 2 when `cache` names one (see bagstore.cache)
             self.cache_layer = open_layer(
@@ -183,6 +171,9 @@ class Datastore:
                 prefix=cache_prefix or f"bs:{placement.store_id}:{self.kind}:",
                 cell=CatalogCell(catalog_backend),  # the store's shared cache state
                 store=placement.store_id,
+            )
+            self.index_tables = IndexTables(
+                self.kind, self.router, self.catalog, self.index_catalog, self.cache_layer
             )
             self._reads = Reads(self.kind, self.router, self.placer, self.cache_layer)
             self.indexer = Indexer(self.router, unique_lease, self._reads.fetch_many)
@@ -196,8 +187,9 @@ class Datastore:
                 self._reads.fetch_many,
                 self.max_body_bytes,
             )
-            declared = self._check_declared(indexes)
-            self._load_registry()
+            self._queries = Queries(self.kind, self.index_tables, self._reads)
+            declared = IndexTables.check_declared(indexes)
+            self.index_tables.load()
             for index in declared:
                 self.add_index(index)
         except BaseException:
@@ -245,53 +237,11 @@ class Datastore:
         every ``refresh_interval`` seconds unless forced)."""
         return self.router.refresh(force=force)
 
-    # -- index registry ----------------------------------------------------------
-    @staticmethod
-    def _check_declared(indexes: Iterable[Any]) -> list[Index]:
-        declared = list(indexes)
-        for index in declared:
-            if not isinstance(index, Index):
-                raise ConfigurationError(f"indexes must be bagstore.Index objects, not {index!r}")
-        tables = [i.table for i in declared]
-        if len(set(tables)) != len(tables):
-            raise ConfigurationError(f"an index table is declared twice in {tables}")
-        return declared
-
-    def _load_registry(self) -> Registry:
-        """Re-read this kind's indexes and states from the catalog."""
-        entries = [
-            (Index.from_json(definition), state)
-            for _, definition, state in self.index_catalog.entries(self.kind)
-        ]
-        for index, state in entries:
-            if state != RETIRED and index.table not in self.tables_ready | self.clashing:
-                self._create_index_tables(index)
-        # An index whose table is a kind's (bagstore.names) is left out: check()
-        # reports it, rename_index() replaces it.
-        entries = [(i, s) for i, s in entries if i.table not in self.clashing]
-        self._registry = Registry(entries)
-        self._registry_at = time.monotonic()
-        return self._registry
-
-    def _create_index_tables(self, index: Index) -> bool:
-        """Create the index's tables; False if a shard holds another table of
-        that name (nothing is written to it: the index is set aside)."""
-        made = self.router.on_all(
-            lambda b: b.ensure_index_table(index.table, index.properties, index.unique)
-        )
-        if not all(made):
-            self.clashing.add(index.table)
-            return False
-        self.tables_ready.add(index.table)
-        return True
-
+    # -- indexes (bagstore.index_tables) ---------------------------------------------
     def registry(self, *, refresh: bool = False) -> Registry:
         """This kind's indexes and states, re-read every ``refresh_interval`` seconds
         (the placement's version is checked at the same time)."""
-        self.refresh_placement()
-        if refresh or time.monotonic() - self._registry_at > self.router.refresh_interval:
-            return self._load_registry()
-        return self._registry
+        return self.index_tables.registry(refresh=refresh)
 
     def indexes(self) -> dict[str, tuple[Index, str]]:
         """``{table: (Index, state)}`` of every index of this kind in the catalog."""
@@ -304,47 +254,11 @@ class Datastore:
         it from then on.  On a kind with no entities it is ``ready`` at once;
         otherwise ``building`` until ``bagstore.Cleaner(ds).backfill(table)``.
         """
-        if not isinstance(index, Index):
-            raise ConfigurationError(f"add_index takes a bagstore.Index, not {index!r}")
-        for name, kind, definition, state in self.index_catalog.all_entries():
-            if name != index.table:
-                continue
-            if kind != self.kind:
-                raise ConfigurationError(f"index table {name!r} already belongs to kind {kind!r}")
-            if Index.from_json(definition) != index:
-                raise ConfigurationError(
-                    f"index {name!r} is registered as {Index.from_json(definition)!r}, not "
-                    f"{index!r}: retire and drop it first, or choose another table name"
-                )
-            return state
-        check_new_index(
-            index.table, self.kind, self.catalog.kinds(), self.index_catalog.all_entries()
-        )
-        if not self._create_index_tables(index):
-            self.clashing.discard(index.table)
-            raise ConfigurationError(
-                f"index table {index.table!r} (kind {self.kind!r}): a table of that name that "
-                "is not this index's exists on a shard; choose another table name"
-            )
-        now = time.time_ns() // 1000
-        self.index_catalog.register(index.table, self.kind, index.to_json(), BUILDING, now)
-        self.cache_layer.index_changed(index.table)
-        if not any(self.router.on_all(lambda b: b.has_rows(self.kind))):
-            self.index_catalog.set_state(index.table, READY, now, expect=BUILDING)
-        state = self.registry(refresh=True).state(index.table) or BUILDING
-        log.info("index %s registered on kind %s: %s", index.table, self.kind, state)
-        return state
+        return self.index_tables.add(index)
 
     def set_index_state(self, table: str, state: str) -> None:
         """Move an index along its life cycle (``ready`` / ``retired``)."""
-        if state not in (BUILDING, READY, RETIRED):
-            raise ConfigurationError(f"unknown index state {state!r}")
-        if all(n != table for n, _, _ in self.index_catalog.entries(self.kind)):
-            raise ConfigurationError(f"no index {table!r} on kind {self.kind!r}")
-        self.index_catalog.set_state(table, state, time.time_ns() // 1000)
-        self.cache_layer.index_changed(table)
-        self.registry(refresh=True)
-        log.info("index %s of kind %s: %s", table, self.kind, state)
+        self.index_tables.set_state(table, state)
 
     def retire_index(self, table: str) -> None:
         """Stop maintaining an index (queries on it raise IndexNotReady)."""
@@ -422,7 +336,7 @@ class Datastore:
         the index writer)."""
         return self._reads.fetch_many(ids)
 
-    # -- queries -------------------------------------------------------------------
+    # -- queries (bagstore.queries) ------------------------------------------------
     def query_index(
         self,
         index: Index,
@@ -434,45 +348,8 @@ class Datastore:
         allow_partial: bool = False,
     ) -> QueryResult:
         """Run a query through one index (``Index.get_all`` calls this)."""
-        registry = self.registry()
-        state = registry.state(index.table)
-        if state is None:
-            registry = self.registry(refresh=True)
-            state = registry.state(index.table)
-        if state is None:
-            raise NoIndexForQuery(
-                f"index {index.table!r} is not registered on kind {self.kind!r}: declare it in "
-                f"indexes=[...] or run `{suggest.command_for(index)}`",
-                suggestion=repr(index),
-                index=index,
-                command=suggest.command_for(index),
-            )
-        registered = registry.by_table[index.table][0]
-        if registered is not index and registered != index:
-            raise InvalidQuery(
-                f"index {index.table!r} is registered as {registry.by_table[index.table][0]!r}"
-            )
-        if state == RETIRED or (state == BUILDING and not allow_partial):
-            raise IndexNotReady(
-                f"index {index.table!r} is {state}"
-                + (
-                    ": run `bagstore clean --index` to backfill it, or pass allow_partial=True"
-                    if state == BUILDING
-                    else ""
-                ),
-                index=index.table,
-                state=state,
-            )
-        plan = plan_query(index, parse_filters(filters), order)
-        if self._reads.uncached():
-            return execute(self._reads, plan, limit=limit, cursor=cursor)  # no cache level
-        return self.cache_layer.read_list(
-            plan,
-            limit,
-            cursor,
-            lambda: execute(self._reads, plan, limit=limit, cursor=cursor),
-            self._reads.fetch_many,
-            cacheable=state == READY,
+        return self._queries.query_index(
+            index, filters, order=order, limit=limit, cursor=cursor, allow_partial=allow_partial
         )
 
     def query(
@@ -488,37 +365,7 @@ class Datastore:
         Raises ``IndexNotReady`` if only a building index could answer, and
         ``NoIndexForQuery`` (naming an index that would) if none could.
         """
-        parsed = parse_filters(filters)
-        if not parsed:
-            raise InvalidQuery("a query needs at least one filter")
-        best: tuple[tuple[int, int, int], Plan] | None = None
-        building: list[str] = []
-        for index, state in self.registry().by_table.values():
-            try:
-                plan = plan_query(index, parsed, order)
-            except InvalidQuery:
-                continue
-            if state == BUILDING:
-                building.append(index.table)
-            elif state == READY and (best is None or plan.score() > best[0]):
-                best = (plan.score(), plan)
-        if best is not None:
-            chosen = best[1]
-            return self.cache_layer.read_list(
-                chosen,
-                limit,
-                cursor,
-                lambda: execute(self._reads, chosen, limit=limit, cursor=cursor),
-                self._reads.fetch_many,
-            )
-        if building:
-            raise IndexNotReady(
-                f"only index {building[0]!r} can answer this query and it is still building",
-                index=building[0],
-                state=BUILDING,
-            )
-        taken = [name for name, *_ in self.index_catalog.all_entries()]
-        raise suggest.no_index(parsed, order, taken=[*taken, *self.catalog.kinds()])
+        return self._queries.query(order=order, limit=limit, cursor=cursor, **filters)
 
     @long_statements()  # reads every row: statements wait bulk_timeout
     def check(self) -> dict[str, Any]:
@@ -635,7 +482,7 @@ class Datastore:
         embedded = any(b.dialect.name == "sqlite" for b in topology.backends)
         return {
             "kind": self.kind,
-            "buckets": self._buckets,
+            "buckets": topology.buckets,
             "shards": [
                 {
                     "shard": i,

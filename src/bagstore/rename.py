@@ -69,8 +69,8 @@ def forget_index(ds: Datastore, table: str) -> None:
         ds.router.on_all(drop)
     ds.index_catalog.remove(table)
     Checkpoints(ds.router.catalog_backend).clear(f"backfill:{ds.kind}:{table}:")
-    ds.tables_ready.discard(table)
-    ds.clashing.discard(table)
+    ds.index_tables.tables_ready.discard(table)
+    ds.index_tables.clashing.discard(table)
     ds.cache_layer.index_changed(table)
     ds.registry(refresh=True)
 
