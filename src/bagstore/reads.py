@@ -16,6 +16,7 @@ cache level (:mod:`bagstore.cache`) the layer is asked first and calls back
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -63,7 +64,8 @@ class Reads:
     def get(self, entity_id: bytes) -> dict[str, Any] | None:
         """One entity (the id checked by the caller), or None."""
         router = self.router
-        router.refresh()  # at most every refresh_interval
+        if time.monotonic() - router.checked_at >= router.refresh_interval:
+            router.refresh()
         if self.direct and _current_request.get() is None:
             # No cache level to consult and the id alone names the bucket:
             # one statement on one shard.
