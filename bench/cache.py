@@ -147,7 +147,7 @@ class _Conn:
 def count_round_trips(ds: bagstore.Datastore) -> Counter:
     """Count every statement ds sends to its shards, and every cache call."""
     counter = Counter()
-    for backend in ds._backends:
+    for backend in ds.router.backends:
         original = backend.run
 
         def run(work: Any, *args: Any, attempts: int = 3, _original: Any = original) -> Any:
@@ -163,7 +163,7 @@ def count_round_trips(ds: bagstore.Datastore) -> Counter:
                 return _original(kind, entity_id)
 
             backend.get_body = get_body  # type: ignore[method-assign]
-    cache = ds._cache.cache
+    cache = ds.cache_layer.cache
     if cache is not None:
         for name in ("get_many", "add_many", "set_many", "cas", "bump"):
             method = getattr(cache, name)
@@ -190,7 +190,7 @@ def works(
 ) -> list[tuple[Work, int]]:
     """(work, most calls per round) pairs: bagstore side cached, raw side uncached."""
     rng = random.Random(11)
-    layer = cached._cache
+    layer = cached.cache_layer
     assert layer.cache is not None
     cache = layer.cache
     cached.get_many(ids)  # warm: replace the writers' markers

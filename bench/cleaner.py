@@ -775,7 +775,7 @@ class Run:
 def index_rows(side: Side) -> tuple[int, int]:
     """(index rows, entities) over every shard."""
     ds = side.ds
-    rows = sum(ds._map(lambda b: b.count(TABLE), ds._backends))
+    rows = sum(ds.router.on_all(lambda b: b.count(TABLE)))
     return rows, ds.count()
 
 
@@ -831,7 +831,7 @@ def bag_run(
         ds.retire_index(TABLE)
         ds.drop_index(TABLE)
     cleaner = make_cleaner(ds, batch, duty, max_rate)
-    names = [cleaner._checkpoint_name(LINK_INDEX, s) for s in range(len(ds._backends))]
+    names = [cleaner._checkpoint_name(LINK_INDEX, s) for s in range(len(ds.router.backends))]
     # drop_index leaves a stopped backfill's checkpoints behind: a new index of
     # the same name would resume from them (and miss rows)
     cleaner.checkpoints.clear(cleaner._checkpoint_name(LINK_INDEX, None))
@@ -849,7 +849,7 @@ def bag_run(
 
     with writer(spec) as w:
         time.sleep(args.before)
-        ends = ds._map(lambda b: b.max_added_id(KIND), ds._backends)
+        ends = ds.router.on_all(lambda b: b.max_added_id(KIND))
         initial = ds.count()
         watch = TailWatch(cleaner, names, ends, args.tail_grace, clock)
         clock.reset()
@@ -1078,9 +1078,9 @@ def _sqlite_ceiling_run(side: Side, args: argparse.Namespace) -> Run:
     placement = ds.placement
     buckets = int(placement.buckets)
     cols = ("link", "entity_id", "bagstore_bucket")
-    paths = [b.path for b in ds._backends]
+    paths = [b.path for b in ds.router.backends]
     per_file: list[list[tuple[bytes, bytes, int]]] = [[] for _ in paths]
-    for backend in ds._backends:
+    for backend in ds.router.backends:
         after = 0
         while True:
             got = backend.scan_entities(KIND, after, 10_000)

@@ -181,11 +181,11 @@ class RawLayout:
         ds = env.ds
         placement = ds.placement
         self.shard_of, self.buckets = placement.shard_of_bucket, int(placement.buckets)
-        self.schemas = [b.schema for b in ds._backends]
+        self.schemas = [b.schema for b in ds.router.backends]
         self.shards = len(self.schemas)
         if self.d.name == "sqlite":
             self.conn: Any = sqlite3.connect(":memory:", isolation_level=None)
-            for b in ds._backends:
+            for b in ds.router.backends:
                 self.conn.execute(f"ATTACH DATABASE ? AS {self.d.q(b.schema)}", (b.path,))
             self.cur = self.conn.cursor()
         else:
@@ -468,7 +468,7 @@ class RawTwoServers:
 
         from bench.common import mysql_connect
 
-        backends = ds2._backends
+        backends = ds2.router.backends
         self.d = backends[0].dialect
         self.servers: list[tuple[Any, list[str]]] = []
         for pair, where in ((backends[:2], None), (backends[2:], (host, port))):

@@ -399,7 +399,7 @@ class Round:
 
 def counts(side: Side) -> tuple[int, int]:
     ds = side.ds
-    rows = sum(ds._map(lambda b: b.count(TABLE), ds._backends))
+    rows = sum(ds.router.on_all(lambda b: b.count(TABLE)))
     return ds.count(), rows
 
 

@@ -157,7 +157,7 @@ class Counter:
 
 def works(env: Env, threads: int) -> list[Work]:
     ds = env.ds
-    counter = Counter(ds._catalog_backend)
+    counter = Counter(ds.router.catalog_backend)
 
     seq = open_sequence(ds, "photos", block=BLOCK)
     assert isinstance(seq, Sequence)

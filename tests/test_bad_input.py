@@ -13,7 +13,7 @@ from tests.conftest import Topology
 
 def _snapshot(ds: bagstore.Datastore) -> dict[bytes, dict[str, object] | None]:
     ids = []
-    for backend in ds._backends:
+    for backend in ds.router.backends:
         ids += [bytes(r[0]) for r in backend.fetchall("SELECT id FROM entities")]
     return dict(zip(ids, ds.get_many(ids), strict=True))
 

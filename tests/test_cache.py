@@ -86,7 +86,7 @@ def ids(entities: list[dict[str, Any]]) -> list[bytes]:
 
 def raw(ds: bagstore.Datastore, entity_id: bytes) -> Stored | Marker | None:
     """What level 2 holds under an entity's key (decoded), or None."""
-    layer: CacheLayer = ds._cache
+    layer: CacheLayer = ds.cache_layer
     assert layer.cache is not None
     key = layer.entity_key(entity_id)
     got = layer.cache.get_many([key]).get(key)
@@ -234,7 +234,7 @@ def test_read_fill_race_leaves_no_stale_entity(
     w, r = pair
     entity_id = w.put({"user_id": b"u1", "published": 1, "n": 1})
     assert isinstance(raw(r, entity_id), Marker)  # the writer left a marker, not a delete
-    layer: CacheLayer = r._cache
+    layer: CacheLayer = r.cache_layer
     assert layer.cache is not None
     if start == "evicted":  # the key is absent: the reader fills with add
         layer.cache.delete_many([layer.entity_key(entity_id)])
@@ -266,7 +266,7 @@ def encode_entity_body(entity: dict[str, Any]) -> bytes:
 def test_read_fill_race_after_a_delete(pair: tuple[bagstore.Datastore, bagstore.Datastore]) -> None:
     w, r = pair
     entity_id = w.put({"user_id": b"u1", "published": 1})
-    layer: CacheLayer = r._cache
+    layer: CacheLayer = r.cache_layer
     reached, release = _hold(layer, "entities")
     t, out = _in_thread(lambda: r.get(entity_id))
     assert reached.wait(10)
@@ -287,7 +287,7 @@ def test_read_fill_race_leaves_no_stale_page(
     w, r = pair
     a = w.put({"user_id": b"u1", "published": 1})
     b = w.put({"user_id": b"u1", "published": 2})
-    layer: CacheLayer = r._cache
+    layer: CacheLayer = r.cache_layer
     reached, release = _hold(layer, "list")
     t, out = _in_thread(lambda: ids(user_pub.get_all(r, user_id=b"u1")))
     assert reached.wait(10)  # the reader ran the query, about to store the page
@@ -396,7 +396,7 @@ def test_memcached_killed_mid_test_degrades_then_recovers(topo: Topology) -> Non
             time.sleep(0.05)
         assert r.stats()["l2"]["hits"] > hits
         deadline = time.monotonic() + 10
-        while w._cache.retry_pending() and time.monotonic() < deadline:
+        while w.cache_layer.retry_pending() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert w.status()["cache"]["pending_invalidations"] == 0
     finally:
@@ -406,7 +406,7 @@ def test_memcached_killed_mid_test_degrades_then_recovers(topo: Topology) -> Non
 def test_garbage_in_the_cache_reads_as_a_miss(topo: Topology, cache_url: str) -> None:
     ds = topo.open(cache=cache_url, indexes=[user_pub])
     a = ds.put({"user_id": b"g1", "published": 1, "n": 1})
-    layer: CacheLayer = ds._cache
+    layer: CacheLayer = ds.cache_layer
     assert layer.cache is not None
     key = layer.entity_key(a)
     plan = plan_query(user_pub, parse_filters({"user_id": b"g1"}), None)
@@ -441,7 +441,7 @@ def test_an_unchanged_page_is_read_in_one_cache_round_trip(
     made = ds.put_many([{"user_id": b"r1", "published": n} for n in range(5)])
     assert ids(user_pub.get_all(ds, user_id=b"r1")) == made  # fills the page
     assert ids(user_pub.get_all(ds, user_id=b"r1")) == made  # learns its ids
-    layer: CacheLayer = ds._cache
+    layer: CacheLayer = ds.cache_layer
     assert layer.cache is not None
     calls: list[int] = []
     original = layer.cache.get_many
@@ -471,7 +471,7 @@ def test_a_page_whose_entity_no_longer_matches_is_a_miss(topo: Topology) -> None
     assert ids(user_pub.get_all(ds, user_id=b"c1")) == [a]
     assert ids(user_pub.get_all(ds, user_id=b"c1")) == [a]
     # a page naming an entity that does not match (as if a bump had been lost)
-    layer: CacheLayer = ds._cache
+    layer: CacheLayer = ds.cache_layer
     assert layer.cache is not None
     plan = plan_query(user_pub, parse_filters({"user_id": b"c1"}), None)
     base = f"{plan.fingerprint()}|None|None"
@@ -644,7 +644,7 @@ def test_in_queries_and_queries_without_shard_value(topo: Topology, cache_url: s
 def test_revisions_never_go_back_after_an_eviction(tmp_path: Any, cache_url: str) -> None:
     ds = bagstore.open(tmp_path, indexes=[user_pub], cache=cache_url)
     try:
-        layer: CacheLayer = ds._cache
+        layer: CacheLayer = ds.cache_layer
         assert layer.cache is not None
         plan = plan_query(user_pub, parse_filters({"user_id": b"v1"}), None)
         key = layer.scope_keys(plan)[0]
@@ -693,7 +693,7 @@ def test_two_memcached_servers_share_the_keys(tmp_path: Any) -> None:
         assert [e["n"] for e in ds.get_many(made)] == list(range(60))
         assert [e["n"] for e in ds.get_many(made)] == list(range(60))
         assert ds.stats()["l2"]["hits"] == 60
-        layer: CacheLayer = ds._cache
+        layer: CacheLayer = ds.cache_layer
         held = []
         for server in (one, two):
             client = Client((server.host, server.port))
@@ -826,7 +826,7 @@ def test_a_server_answering_garbage_degrades_to_the_database(tmp_path: Any, repl
     ds = bagstore.open(tmp_path, cache=f"memcached://127.0.0.1:{port}")
     try:
         a = ds.put({"n": 1})
-        last_key[0] = ds._cache.entity_key(a).encode()
+        last_key[0] = ds.cache_layer.entity_key(a).encode()
         for _ in range(3):
             assert ds.get(a) == {"id": a, "n": 1}
             assert ds.get_many([a]) == [{"id": a, "n": 1}]
@@ -869,10 +869,10 @@ def test_prefixes_and_a_cache_object(tmp_path: Any) -> None:
     other_kind = bagstore.open(tmp_path / "one", cache=shared, kind="photos")
     custom = bagstore.open(tmp_path / "one", cache=shared, cache_prefix="app1:")
     try:
-        prefixes = {ds._cache.prefix for ds in (one, two, other_kind, custom)}
+        prefixes = {ds.cache_layer.prefix for ds in (one, two, other_kind, custom)}
         assert len(prefixes) == 4
-        assert one._cache.prefix == f"bs:{one.placement.store_id}:entities:"
-        assert custom._cache.prefix == "app1:"
+        assert one.cache_layer.prefix == f"bs:{one.placement.store_id}:entities:"
+        assert custom.cache_layer.prefix == "app1:"
         a = one.put({"n": 1})
         assert one.get(a) == {"id": a, "n": 1}
         assert two.get(a) is None and other_kind.get(a) is None

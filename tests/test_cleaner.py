@@ -68,7 +68,7 @@ def test_duty_runs_one_batch_at_a_time_per_server(
     lock = threading.Lock()
     inside = [0, 0]  # now, most at once
 
-    scan = type(ds._backends[0]).scan_entities
+    scan = type(ds.router.backends[0]).scan_entities
 
     def slow_scan(backend: object, *args: object, **kwargs: object) -> object:
         with lock:
@@ -81,7 +81,7 @@ def test_duty_runs_one_batch_at_a_time_per_server(
             with lock:
                 inside[0] -= 1
 
-    monkeypatch.setattr(type(ds._backends[0]), "scan_entities", slow_scan)
+    monkeypatch.setattr(type(ds.router.backends[0]), "scan_entities", slow_scan)
     stats = bagstore.Cleaner(ds, batch=20, duty=duty, settle=0).backfill("index_link")
     assert stats.written == 400 and consistent(ds)
     if duty and topo.name != "sqlite":
@@ -134,8 +134,8 @@ def test_backfill_keeps_rows_of_an_entity_moved_during_its_batch(
     bucket = ds.bucket_of_id(moved)
     assert bucket is not None
     source = ds.placement.shard_of_bucket[bucket]
-    target = (source + 1) % len(ds._backends)
-    backend = ds._backends[source]
+    target = (source + 1) % len(ds.router.backends)
+    backend = ds.router.backends[source]
     original = backend.stamps_between
     done: list[bool] = []
 
@@ -163,14 +163,14 @@ def test_repair_keeps_rows_of_an_entity_moved_during_its_batch(
     bucket = ds.bucket_of_id(moved)
     assert bucket is not None
     source = ds.placement.shard_of_bucket[bucket]
-    backend = ds._backends[source]
+    backend = ds.router.backends[source]
     original = backend.versions
     done: list[bool] = []
 
     def move_then_read(*args: Any, **kwargs: Any) -> Any:
         if not done:
             done.append(True)
-            ds.move_buckets([bucket], to=(source + 1) % len(ds._backends), grace=0)
+            ds.move_buckets([bucket], to=(source + 1) % len(ds.router.backends), grace=0)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(backend, "versions", move_then_read)
@@ -354,7 +354,7 @@ def test_writers_killed_by_sigkill_lose_no_acknowledged_write(topo: Topology) ->
         if n is None:
             assert entity is None
         elif entity is None:  # only a delete begun before the kill may have removed it
-            on = [b.name for b in fresh._backends if b.get_bodies(fresh.kind, [entity_id])]
+            on = [b.name for b in fresh.router.backends if b.get_bodies(fresh.kind, [entity_id])]
             assert entity_id in in_flight, (
                 f"{entity_id.hex()} (n={n}) lost; on shards {on}; {history.get(entity_id)}"
             )
@@ -465,8 +465,8 @@ def test_failed_put_many_keeps_claims_of_entities_it_stored(
     ds = topo.open(indexes=[email], buckets=8)
     entities = [{"id": bagstore.new_id(), "email": f"{i}@x"} for i in range(40)]
     shard_of = ds.placement.shard_of_bucket
-    broken = shard_of[ds._placer.entity_bucket(entities[0], entities[0]["id"])]
-    backend = ds._backends[broken]
+    broken = shard_of[ds.placer.entity_bucket(entities[0], entities[0]["id"])]
+    backend = ds.router.backends[broken]
 
     def fail(*args: object, **kwargs: object) -> object:
         raise bagstore.ShardUnavailable("shard down (injected)", shard=backend.name)
@@ -529,7 +529,7 @@ def test_backfill_checkpoints_sqlite_wal_itself(
         ds.add_index(link_idx)
         inserts: list[str] = []
         steps: list[str] = []
-        for backend in ds._backends:
+        for backend in ds.router.backends:
             insert, step = backend.insert_index_rows, backend.after_bulk_step
 
             def counted_insert(*a: Any, _f: Any = insert, _n: str = backend.name, **k: Any) -> Any:
@@ -547,11 +547,11 @@ def test_backfill_checkpoints_sqlite_wal_itself(
         assert sorted(steps) == sorted(inserts)  # every insert is followed by a checkpoint
         assert len(link_idx.get_all(ds, link__gte="l")) == 300
         # and the checkpoint copies every frame of the WAL into the database
-        db = Path(ds._backends[1].path)
+        db = Path(ds.router.backends[1].path)
         ds.put_many([{"link": f"m{i}"} for i in range(50)])
         frames, copied = _wal_frames(db)
         assert frames > copied  # commits leave their pages in the WAL
-        ds._backends[1].after_bulk_step()
+        ds.router.backends[1].after_bulk_step()
         frames, copied = _wal_frames(db)
         assert frames == copied > 0
     finally:

@@ -667,7 +667,7 @@ def test_ctrl_c_during_a_backfill_names_the_same_command(tmp_path: Path) -> None
 
     def started() -> bool:
         with bagstore.open(store) as ds:
-            return any(b.fetchall("SELECT 1 FROM index_link LIMIT 1") for b in ds._backends)
+            return any(b.fetchall("SELECT 1 FROM index_link LIMIT 1") for b in ds.router.backends)
 
     args = ["--store", str(store), "clean", "--index", "index_link", "--max-rate", "100"]
     args += ["--batch", "10"]
@@ -713,7 +713,7 @@ def test_ctrl_c_without_resumable_work_is_one_line(tmp_path: Path) -> None:
     with bagstore.open(store, shards=2) as ds:
         ds.add_index(bagstore.Index(table="index_link", properties=["link"]))
         ds.put_many([{"link": f"l{i}"} for i in range(20)])
-        for backend in ds._backends:
+        for backend in ds.router.backends:
             backend.execute("DELETE FROM index_link")
 
     def repaired() -> bool:  # `clean --follow` has made its first pass: it is looping

@@ -176,7 +176,7 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     r.doc("index list")
     assert r.doc("check")["missing"] == 0
     with bagstore.open(r.store) as ds:
-        ds._backends[0].execute("DELETE FROM index_link")
+        ds.router.backends[0].execute("DELETE FROM index_link")
     assert r.doc("check", code=1)["missing"] > 0
     assert r.doc("clean", "--repair")["written"] > 0
     assert r.doc("index retire", "index_n") == {"table": "index_n", "state": "retired"}
@@ -299,7 +299,7 @@ def test_clean_follow_json_prints_a_line_per_pass_that_changed_something(
         ds.put_many([{"link": f"l{i}"} for i in range(20)])
         ds.add_index(bagstore.Index(table="index_link", properties=["link"]))
         bagstore.Cleaner(ds, settle=0).backfill("index_link")
-        for backend in ds._backends:
+        for backend in ds.router.backends:
             backend.execute("DELETE FROM index_link")
     command = [sys.executable, "-m", "bagstore", "--store", str(store), "clean", "--follow"]
     process = subprocess.Popen(

@@ -35,7 +35,7 @@ def test_clean_backfills_and_repairs(tmp_path: Path) -> None:
     assert json.loads(result.stdout)["written"] == 70
     with bagstore.open(store) as ds:
         assert ds.indexes()["index_link"][1] == "ready"
-        for backend in ds._backends:
+        for backend in ds.router.backends:
             backend.execute("DELETE FROM index_link")
     assert run(store, "check").exit_code == 1
     result = ok(store, "clean", "--repair", "--json")

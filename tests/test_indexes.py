@@ -73,22 +73,22 @@ def test_update_moves_entity_between_values(ds: bagstore.Datastore) -> None:
 
 def test_rewrite_without_index_change_touches_no_index_row(ds: bagstore.Datastore) -> None:
     entity_id = ds.put({"user_id": b"u", "title": "a"})
-    rows_before = {b.name: b.count("index_user_id") for b in ds._backends}
+    rows_before = {b.name: b.count("index_user_id") for b in ds.router.backends}
     calls: list[object] = []
-    original = ds._indexer.apply
-    ds._indexer.apply = lambda changes, **kw: (calls.append(list(changes)), original(changes, **kw))  # type: ignore[method-assign]
+    original = ds.indexer.apply
+    ds.indexer.apply = lambda changes, **kw: (calls.append(list(changes)), original(changes, **kw))  # type: ignore[method-assign]
     ds.put({"id": entity_id, "user_id": b"u", "title": "b"})
     assert calls == [[]]
-    assert {b.name: b.count("index_user_id") for b in ds._backends} == rows_before
+    assert {b.name: b.count("index_user_id") for b in ds.router.backends} == rows_before
 
 
 def test_delete_empties_every_index(ds: bagstore.Datastore) -> None:
     entity_id = ds.put(
         {"user_id": b"u", "published": 5, "tags": ["a", "b"], "name": "n", "email": "e@x"}
     )
-    assert sum(b.count(i.table) for b in ds._backends for i in ALL) == 7
+    assert sum(b.count(i.table) for b in ds.router.backends for i in ALL) == 7
     assert ds.delete(entity_id)
-    assert sum(b.count(i.table) for b in ds._backends for i in ALL) == 0
+    assert sum(b.count(i.table) for b in ds.router.backends for i in ALL) == 0
     assert_consistent(ds)
 
 
@@ -97,7 +97,7 @@ def test_entity_lacking_a_property_has_no_row(ds: bagstore.Datastore) -> None:
     ds.put({"user_id": b"u", "published": None})  # None is never indexed
     assert len(user_idx.get_all(ds, user_id=b"u")) == 2
     assert user_pub.get_all(ds, user_id=b"u") == []
-    assert sum(b.count("index_user_published") for b in ds._backends) == 0
+    assert sum(b.count("index_user_published") for b in ds.router.backends) == 0
 
 
 def test_compound_prefix_range_order_and_pages(ds: bagstore.Datastore) -> None:
@@ -139,7 +139,7 @@ def test_multi_valued_property_indexes_each_element(ds: bagstore.Datastore) -> N
     entity_id = ds.put({"tags": ["red", "green", "red"]})
     assert ids_of(tags_idx.get_all(ds, tags="red")) == [entity_id]
     assert ids_of(tags_idx.get_all(ds, tags="green")) == [entity_id]
-    assert sum(b.count("index_tags") for b in ds._backends) == 2
+    assert sum(b.count("index_tags") for b in ds.router.backends) == 2
     ds.put({"id": entity_id, "tags": ["green"]})
     assert tags_idx.get_all(ds, tags="red") == []
     assert_consistent(ds)
@@ -317,14 +317,14 @@ def test_one_shard_answers_as_four(topo: Topology, tmp_path: object) -> None:
 def test_query_with_shard_on_reads_one_shard(ds: bagstore.Datastore) -> None:
     for i in range(40):
         ds.put({"user_id": b"u%d" % (i % 8), "published": i})
-    for b in ds._backends:
+    for b in ds.router.backends:
         b.scans = 0
     user_pub.get_all(ds, user_id=b"u3", published__gte=0)
-    assert sorted(b.scans for b in ds._backends) == [0, 0, 0, 1]
-    for b in ds._backends:
+    assert sorted(b.scans for b in ds.router.backends) == [0, 0, 0, 1]
+    for b in ds.router.backends:
         b.scans = 0
     pub_idx.get_all(ds, published__gte=0)  # no shard_on value: every shard
-    assert [b.scans for b in ds._backends] == [1, 1, 1, 1]
+    assert [b.scans for b in ds.router.backends] == [1, 1, 1, 1]
 
 
 def test_scatter_over_one_connection_is_one_merged_scan(
@@ -338,11 +338,11 @@ def test_scatter_over_one_connection_is_one_merged_scan(
     crowded = ds.put_many([{"user_id": b"hot", "published": i} for i in range(40)])
     ds.put_many([{"user_id": b"cold%d" % i, "published": 100 + i} for i in range(6)])
     statements = _count_statements(ds, monkeypatch)
-    for b in ds._backends:
+    for b in ds.router.backends:
         b.scans = 0
     page = hot.get_all(ds, published__gte=0, limit=25)
     assert ids_of(page) == crowded[:25] and page.cursor is not None
-    assert [b.scans for b in ds._backends] == [1, 1, 1, 1]
+    assert [b.scans for b in ds.router.backends] == [1, 1, 1, 1]
     # One statement: the scans and the bodies (joined) together.
     assert len(statements) == 1 and statements[0].count("UNION ALL") == 3
     rest = hot.get_all(ds, published__gte=0, limit=25, cursor=page.cursor)
@@ -371,17 +371,17 @@ def test_scatter_page_from_one_crowded_server(
         user = next(
             u
             for u in (b"hot%d" % n for n in range(1000))
-            if shard_of[bucket_of(keys.encode_value(u), ds._buckets)] == 3
+            if shard_of[bucket_of(keys.encode_value(u), ds.placement.buckets)] == 3
         )
         crowded = ds.put_many([{"user_id": user, "published": i} for i in range(40)])
         ds.put_many([{"user_id": b"cold%d" % i, "published": 100 + i} for i in range(6)])
-        for b in ds._backends:
+        for b in ds.router.backends:
             b.scans = 0
         page = hot.get_all(ds, published__gte=0, limit=25)
         assert ids_of(page) == crowded[:25] and page.cursor is not None
         # the lone shard's first read (14 rows: twice a quarter of the page)
         # fell short, so it alone was read again
-        assert [b.scans for b in ds._backends] == [1, 1, 1, 2]
+        assert [b.scans for b in ds.router.backends] == [1, 1, 1, 2]
         rest = hot.get_all(ds, published__gte=0, limit=25, cursor=page.cursor)
         assert [e["published"] for e in rest] == [*range(25, 40), *range(100, 106)]
         assert rest.cursor is None
@@ -466,7 +466,7 @@ def test_retire_and_drop(topo3: Topology) -> None:
     with pytest.raises(bagstore.IndexNotReady, match="retired"):
         name_idx.get_all(ds, name="a")
     ds.put({"name": "b"})  # retired: no longer written
-    assert sum(b.count("index_name") for b in ds._backends) == 1
+    assert sum(b.count("index_name") for b in ds.router.backends) == 1
     ds.drop_index("index_name")
     assert "index_name" not in ds.indexes()
 
@@ -486,11 +486,11 @@ def test_shards_sharing_a_server_are_read_in_one_statement(
     assert [e["published"] for e in got if e is not None] == list(range(59, -1, -1))
     assert len(statements) == groups
     statements.clear()
-    for b in ds._backends:
+    for b in ds.router.backends:
         b.scans = 0
     page = pub_idx.get_all(ds, published__gte=10, order="-published", limit=25)
     assert [e["published"] for e in page] == list(range(59, 34, -1))
-    assert [b.scans for b in ds._backends] == [1, 1, 1, 1]  # every shard scanned once
+    assert [b.scans for b in ds.router.backends] == [1, 1, 1, 1]  # every shard scanned once
     # The scans of one connection's shards are one statement, merged in SQL.
     # When that is every shard, it reads the bodies too (joined); over two
     # servers, each merged scan reads past its share of the page and half its
@@ -509,7 +509,7 @@ def _count_statements(ds: bagstore.Datastore, monkeypatch: pytest.MonkeyPatch) -
     """Record the reads sent to ``ds``'s shards: ``fetchall`` on a shard's own
     connection, and on SQLite ``read_together`` (MariaDB's calls fetchall)."""
     statements: list[str] = []
-    for b in ds._backends:
+    for b in ds.router.backends:
         original = b.fetchall
 
         def counting(sql: str, params: Any = (), _original: Any = original) -> Any:
@@ -556,7 +556,7 @@ def test_a_joined_body_is_taken_only_from_the_shard_the_placement_names(
     ds = topo3.open(indexes=[user_idx], refresh_interval=3600)
     user = b"v" * 16
     shard_of = ds.placement.shard_of_bucket
-    index_shard = shard_of[bucket_of(keys.encode_value(user), ds._buckets)]
+    index_shard = shard_of[bucket_of(keys.encode_value(user), ds.placement.buckets)]
     # An entity that lives on another shard than its user's index rows...
     while True:
         entity_id = ds.put({"user_id": user, "name": "real"})
@@ -567,7 +567,7 @@ def test_a_joined_body_is_taken_only_from_the_shard_the_placement_names(
         ds.delete(entity_id)
     # ...and a stale copy of it on the index's shard (as a move leaves one
     # behind until its source copy is deleted), which the scan can join.
-    b = ds._backends[index_shard]
+    b = ds.router.backends[index_shard]
     stale = codec.encode({"id": entity_id, "user_id": user, "name": "stale"})
     p = b.dialect.param
     b.execute(
@@ -591,7 +591,7 @@ def test_a_merged_scan_never_returns_a_stale_copy(topo3: Topology) -> None:
         ds.delete(entity_id)
     # ...and a stale copy of it on shard 0, the first entity table a scan
     # over every shard joins: the copy is found first, and not used.
-    b = ds._backends[0]
+    b = ds.router.backends[0]
     stale = codec.encode({"id": entity_id, "published": 7, "name": "stale"})
     p = b.dialect.param
     b.execute(
@@ -652,11 +652,11 @@ def test_sqlite_reads_more_files_than_one_connection_attaches(tmp_path: Any) -> 
         user = b"x" * 16
         ids = ds.put_many([{"user_id": user, "n": i, "published": i} for i in range(120)])
         # A scatter: the files in two merged scans (10 and 2), merged again.
-        for b in ds._backends:
+        for b in ds.router.backends:
             b.scans = 0
         page = pub_idx.get_all(ds, published__gte=7, limit=30)
         assert [e["n"] for e in page] == list(range(7, 37))
-        scans = [b.scans for b in ds._backends]  # every file (twice if crowded)
+        scans = [b.scans for b in ds.router.backends]  # every file (twice if crowded)
         assert min(scans) == 1 and max(scans) <= 2, scans
         assert [e["n"] for e in all_pages(pub_idx, ds, 25, published__lt=100)] == list(range(100))
         other_ids = other.put_many([{"user_id": user, "n": i} for i in range(8)])

@@ -33,7 +33,7 @@ def _entity_of_size(size: int) -> dict[str, Any]:
 
 
 def _ids(ds: bagstore.Datastore) -> set[bytes]:
-    return {bytes(r[0]) for b in ds._backends for r in b.fetchall("SELECT id FROM entities")}
+    return {bytes(r[0]) for b in ds.router.backends for r in b.fetchall("SELECT id FROM entities")}
 
 
 def test_the_limit_is_one_documented_constant() -> None:

@@ -68,13 +68,17 @@ def test_each_bucket_moved_is_logged(
     assert [m.split()[1] for m in moved] == [str(b) for b in on_first]
     assert all("from shard sqlite:///" in m and "shard_1.db:" in m for m in moved)
     assert sum(int(m.split(": ")[1].split()[0]) for m in moved) == stats.entities > 0
-    assert lines[-1].startswith(f"moved 2 buckets to shard sqlite:///{store._root}/shard_1.db")
+    assert lines[-1].startswith(
+        f"moved 2 buckets to shard sqlite:///{store.router.opener.root}/shard_1.db"
+    )
 
 
 def test_a_fenced_write_retried_is_logged(
     store: bagstore.Datastore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stale = bagstore.open(store._root or "", refresh_interval=3600)  # will not look again
+    stale = bagstore.open(
+        store.router.opener.root or "", refresh_interval=3600
+    )  # will not look again
     try:
         on_first = [b for b, s in enumerate(store.placement.shard_of_bucket) if s == 0]
         bagstore.Mover(store, grace=0).move(on_first, to=1)

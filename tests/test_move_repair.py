@@ -65,7 +65,7 @@ def frozen_buckets(ds: bagstore.Datastore) -> set[int]:
     return {
         b
         for b, (source, _, _) in moves.items()
-        if owners[b] == source and ds._backends[source].bucket_states([b]).get(b) == FROZEN
+        if owners[b] == source and ds.router.backends[source].bucket_states([b]).get(b) == FROZEN
     }
 
 
@@ -173,7 +173,7 @@ def test_repair_during_an_unfinished_move(topo: Topology, point: str) -> None:
     verify(fresh, model)
     verify(stale, model)
     # every entity is on exactly one shard
-    assert sum(b.count(fresh.kind) for b in fresh._backends) == len(model)
+    assert sum(b.count(fresh.kind) for b in fresh.router.backends) == len(model)
 
 
 def test_resume_after_the_placement_switched_keeps_the_targets_writes(topo: Topology) -> None:
@@ -256,7 +256,7 @@ def kill_rounds(topo: Topology, rounds: int, seed: int) -> Counter[str]:
         assert fresh.catalog.moves() == {}
         assert_clean_repair(bagstore.Cleaner(fresh, settle=0).repair())
         verify(fresh, model)
-        assert sum(b.count(fresh.kind) for b in fresh._backends) == len(model)
+        assert sum(b.count(fresh.kind) for b in fresh.router.backends) == len(model)
     assert killed_unfinished > 0, phases  # at least one kill left a move unfinished
     return phases
 

@@ -27,7 +27,7 @@ from tests.conftest import Topology
 def _register(ds: bagstore.Datastore, index: bagstore.Index, kind: str, state: str) -> None:
     """What older code left in the catalog (the API refuses it now)."""
     now = time.time_ns() // 1000
-    ds._index_catalog.register(index.table, kind, index.to_json(), state, now)
+    ds.index_catalog.register(index.table, kind, index.to_json(), state, now)
 
 
 def _photos(topo: Topology, n: int = 20) -> tuple[bagstore.Datastore, list[bytes]]:
@@ -52,7 +52,7 @@ def test_index_named_after_a_kind_is_refused(topo: Topology) -> None:
         ents.add_index(bagstore.Index(table="photos", properties=["t"]))
     with pytest.raises(ConfigurationError, match="clashes with kind 'photos'"):
         ents.add_index(bagstore.Index(table="PHOTOS", properties=["t"]))  # one table on SQLite
-    assert "photos" not in [n for n, *_ in ents._index_catalog.all_entries()]
+    assert "photos" not in [n for n, *_ in ents.index_catalog.all_entries()]
     with pytest.raises(ConfigurationError, match="kind 'Photos' clashes with kind 'photos'"):
         topo.open(kind="Photos")
     with pytest.raises(ConfigurationError, match="no index 'photos'"):
@@ -131,7 +131,7 @@ def test_definitions_stored_by_older_code_still_load() -> None:
 def test_a_table_that_is_not_the_index_s_is_never_written_or_dropped(topo: Topology) -> None:
     _, ids = _photos(topo)
     ents = topo.open()
-    backend = ents._backends[0]
+    backend = ents.router.backends[0]
     assert backend.ensure_index_table("photos", ["t"], False) is False
     assert backend.drop_index_table("photos", ["t"], False) is False
     assert backend.ensure_index_table("index_t", ["t"], False) is True
@@ -166,7 +166,7 @@ def test_old_clash_index_named_after_a_kind(topo: Topology, tmp_path: Path) -> N
 
     state = ents.rename_index("photos", "index_photos_t", settle=0)
     assert state == READY
-    assert [n for n, *_ in ents._index_catalog.all_entries()] == ["index_photos_t"]
+    assert [n for n, *_ in ents.index_catalog.all_entries()] == ["index_photos_t"]
     assert len(ents.query(t__gte="e")) == 11
     report = ents.check()
     assert (report["missing"], report["stale"], report["clashes"]) == (0, 0, [])
@@ -181,9 +181,9 @@ def test_old_clash_drop_path_keeps_the_kind(topo: Topology) -> None:
     _register(ents, bagstore.Index(table="photos", properties=["t"]), "entities", READY)
     ents = topo.open()
     ents.retire_index("photos")
-    assert ents._index_catalog.entries("entities")[0][2] == RETIRED
+    assert ents.index_catalog.entries("entities")[0][2] == RETIRED
     ents.drop_index("photos")
-    assert ents._index_catalog.all_entries() == []
+    assert ents.index_catalog.all_entries() == []
     assert ents.check()["clashes"] == []
     _intact(topo, ids)
 
@@ -227,7 +227,7 @@ def test_rename_of_a_healthy_index_drops_the_old_table(topo: Topology) -> None:
     with pytest.raises(ConfigurationError, match="clashes with kind 'entities'"):
         ents.rename_index("index_a", "entities", settle=0)
     assert ents.rename_index("index_a", "index_b", settle=0) == READY
-    assert ents._backends[0].table_columns("index_a") == frozenset()
+    assert ents.router.backends[0].table_columns("index_a") == frozenset()
     with pytest.raises(bagstore.DuplicateValue):
         ents.put({"t": "e1"})
     assert ents.check()["missing"] == ents.check()["stale"] == 0

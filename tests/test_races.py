@@ -82,14 +82,14 @@ def _late_index_changes(ds: bagstore.Datastore, write: Callable[[], Any]) -> Cal
     """Run ``write`` on ``ds`` in a thread until its entity is committed and its
     index changes are about to be applied; return what lets it finish."""
     reached, go = threading.Event(), threading.Event()
-    apply = ds._indexer.apply
+    apply = ds.indexer.apply
 
     def held(*args: Any, **kwargs: Any) -> None:
         reached.set()
         go.wait()
         apply(*args, **kwargs)
 
-    ds._indexer.apply = held  # type: ignore[method-assign]
+    ds.indexer.apply = held  # type: ignore[method-assign]
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -115,14 +115,14 @@ def _stalled_before_entity(ds: bagstore.Datastore, write: Callable[[], Any]) -> 
     """Run ``write`` on ``ds`` in a thread until its unique claims are made and
     its entity is about to be stamped and written; return what lets it finish."""
     stalled, go = threading.Event(), threading.Event()
-    before_write = ds._cache.before_write
+    before_write = ds.cache_layer.before_write
 
     def stall(ids: Any) -> None:
         stalled.set()
         go.wait()
         before_write(ids)
 
-    ds._cache.before_write = stall  # type: ignore[method-assign]
+    ds.cache_layer.before_write = stall  # type: ignore[method-assign]
     errors: list[BaseException] = []
 
     def run() -> None:

@@ -84,7 +84,7 @@ def test_repair_after_a_put_that_changed_the_unique_value_crashed(topo: Topology
     assert problems(ds) == (0, 0)
     rows = [
         bytes(r[0])
-        for b in ds._backends
+        for b in ds.router.backends
         for r in b.fetchall("SELECT entity_id FROM index_ru_email")
     ]
     assert sorted(rows) == sorted([entity_id, bystander])  # one row each, nothing else

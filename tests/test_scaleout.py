@@ -57,13 +57,13 @@ def growth(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Growth]:
 
 
 def rows_per_shard(ds: bagstore.Datastore, table: str) -> list[int]:
-    return [b.count(table) for b in ds._backends]
+    return [b.count(table) for b in ds.router.backends]
 
 
 def assert_placed(ds: bagstore.Datastore) -> None:
     """Every entity sits on the shard its bucket is placed on, and nowhere else."""
     shard_of = ds.placement.shard_of_bucket
-    for no, backend in enumerate(ds._backends):
+    for no, backend in enumerate(ds.router.backends):
         for (entity_id,) in backend.fetchall("SELECT id FROM entities"):
             assert shard_of[bucket_of(bytes(entity_id), 64)] == no
 
@@ -121,7 +121,7 @@ def test_stale_process_is_fenced(growth: Growth) -> None:
     assert stale.placement.shard_of_bucket[bucket] == source  # stale view
     stale.put({"id": entity_id, "v": 2})  # refused by the source, retried
     assert stale.placement.shard_of_bucket[bucket] == 2
-    assert admin._backends[source].get_bodies("entities", [entity_id]) == {}
+    assert admin.router.backends[source].get_bodies("entities", [entity_id]) == {}
     assert admin.get(entity_id) == {"id": entity_id, "v": 2}
 
 
@@ -155,7 +155,7 @@ def test_a_refused_write_rereads_only_its_buckets(
     assert stale.placement.version == version  # so the next timed refresh reads all
     assert admin.get(entity_id) == {"id": entity_id, "v": 2}
     assert_placed(admin)
-    stale._placement_at = float("-inf")  # the refresh interval has passed (whatever the clock)
+    stale.router.checked_at = float("-inf")  # the refresh interval has passed (whatever the clock)
     assert stale.refresh_placement().version == admin.placement.version
     assert whole == [1]
     assert stale.stats()["placement"]["full_reads"] == after["full_reads"] + 1
@@ -220,10 +220,12 @@ def test_an_index_and_a_kind_registered_during_a_move_are_moved_too(
     assert fresh.get(entity_id) == {"id": entity_id, "v": 2, "tag": tag}
     assert growth.open(kind="photos").get(photos[0]) == {"id": photos[0], "p": 1}
     assert_placed(fresh)
-    for no, backend in enumerate(fresh._backends):  # the row lives in the moved bucket
+    for no, backend in enumerate(fresh.router.backends):  # the row lives in the moved bucket
         rows = backend.fetchall("SELECT entity_id FROM index_tag_late")
         assert [bytes(r[0]) for r in rows] == ([entity_id] if no == 2 else [])
-    assert [bytes(r[0]) for r in fresh._backends[2].fetchall("SELECT id FROM photos")] == photos
+    assert [
+        bytes(r[0]) for r in fresh.router.backends[2].fetchall("SELECT id FROM photos")
+    ] == photos
 
 
 def test_a_failed_move_reports_its_own_error(
@@ -278,7 +280,7 @@ def test_frozen_bucket_makes_writers_wait_then_raise(growth: Growth) -> None:
     ds = growth.open(freeze_wait=0.3)
     entity_id = ds.put({"v": 1})
     bucket = bucket_of(entity_id, 64)
-    backend = ds._backends[ds.placement.shard_of_bucket[bucket]]
+    backend = ds.router.backends[ds.placement.shard_of_bucket[bucket]]
     backend.set_bucket_state(bucket, 1)  # FROZEN, as a move does
     started = time.monotonic()
     with pytest.raises(bagstore.KeyMigrating):
@@ -354,7 +356,7 @@ def test_move_is_paced_in_steps_but_not_while_frozen(
         calls.append((phase[0], rows, paced))
         original_paced(self, backend, rows, started, paced)
 
-    src = ds._backends[source]
+    src = ds.router.backends[source]
     original_state = src.set_bucket_state
 
     def set_state(b: int, state: int) -> None:
@@ -465,7 +467,7 @@ def test_a_one_shard_store_reads_where_its_buckets_go(tmp_path: Path) -> None:
         both += tag_idx.get_all(ds, tag__in=["x", "y"], limit=30, cursor=both.cursor)
         assert sorted(e["n"] for e in both) == sorted(e["n"] for e in expected.values())
 
-    assert ds._sole_shard == 0
+    assert ds.router.topology.sole_shard == 0
     check()
     admin = bagstore.Datastore([first], buckets=8)
     admin.add_shard(second)
@@ -473,14 +475,14 @@ def test_a_one_shard_store_reads_where_its_buckets_go(tmp_path: Path) -> None:
     moved = next(i for i in ids if bucket_of(i, 8) < 4)
     expected[moved]["n"] = -1
     ds.put(dict(expected[moved]))  # refused by shard 0: where the bucket is now is learnt
-    assert ds._sole_shard is None
+    assert ds.router.topology.sole_shard is None
     assert ds.get(moved) == expected[moved]
     ds.refresh_placement(force=True)
-    assert ds._sole_shard is None
+    assert ds.router.topology.sole_shard is None
     check()
     admin.move_buckets(list(range(4, 8)), to=1, grace=0)
     ds.refresh_placement(force=True)
-    assert ds._sole_shard == 1
+    assert ds.router.topology.sole_shard == 1
     check()
     ds.close()
     admin.close()
@@ -493,7 +495,7 @@ photo_idx = bagstore.Index(
 
 def _buckets_of(ds: bagstore.Datastore, kind: str) -> dict[bytes, int]:
     out = {}
-    for backend in ds._backends:
+    for backend in ds.router.backends:
         for entity_id, bucket in backend.fetchall(f"SELECT id, bucket FROM {kind}"):
             out[bytes(entity_id)] = int(bucket)
     return out
@@ -510,10 +512,10 @@ def test_kind_placed_by_a_shard_key(topo: Topology) -> None:
         assert len({where[i] for i in mine}) == 1  # a user's photos together
     fresh = topo.open(kind="photos", shard_key="user_id", indexes=[photo_idx])
     assert fresh.get(ids[b"bob"][3])["published"] == 3  # type: ignore[index]
-    for b in fresh._backends:
+    for b in fresh.router.backends:
         b.scans = 0
     assert len(photo_idx.get_all(fresh, user_id=b"ann", published__gte=5)) == 5
-    assert sum(b.scans for b in fresh._backends) == 1
+    assert sum(b.scans for b in fresh.router.backends) == 1
     # changing the shard key moves the entity to the new key's bucket
     moved = ids[b"ann"][0]
     fresh.put({"id": moved, "user_id": b"cy", "published": 99})
@@ -532,11 +534,11 @@ def test_kind_placed_by_a_shard_key(topo: Topology) -> None:
 def test_lookup_rows_are_a_hint_not_the_truth(topo: Topology) -> None:
     photos = topo.open(kind="photos", shard_key="user_id", buckets=64)
     entity_id = photos.put({"user_id": b"ann"})
-    for backend in photos._backends:  # lose every lookup row
+    for backend in photos.router.backends:  # lose every lookup row
         backend.execute("DELETE FROM bagstore_ids")
     fresh = topo.open(kind="photos", shard_key="user_id")
     assert fresh.get(entity_id) == {"id": entity_id, "user_id": b"ann"}  # searched for
-    assert sum(b.count("bagstore_ids") for b in fresh._backends) == 1  # and recorded again
+    assert sum(b.count("bagstore_ids") for b in fresh.router.backends) == 1  # and recorded again
 
 
 def test_directory_assigns_least_loaded_buckets(topo: Topology) -> None:
@@ -601,7 +603,7 @@ def test_shard_keyed_kind_survives_rebalance(growth: Growth) -> None:
     photos.rebalance(grace=0)
     fresh = growth.open(kind="photos", shard_key="user_id")
     assert [e["i"] for e in fresh.get_many(ids)] == list(range(200))  # type: ignore[index]
-    per_shard = [b.count("bagstore_ids") for b in fresh._backends]
+    per_shard = [b.count("bagstore_ids") for b in fresh.router.backends]
     assert sum(per_shard) == 200 and per_shard[2] > 0
 
 
@@ -615,7 +617,7 @@ def test_fenced_index_insert_refuses_buckets_not_owned(topo: Topology, count: in
 
     assert (count > FENCED_ROWS_READ_BY_KEY) == (count == 40)
     ds = topo.open(indexes=[link_idx], buckets=64)
-    backend = ds._backends[0]
+    backend = ds.router.backends[0]
     owned = ds.placement.buckets_of_shard(0)
     foreign = next(b for b in range(64) if b not in owned)
 
@@ -729,7 +731,7 @@ def test_server_advice_without_the_variables_and_on_other_errors(
     gets no advice; any other failure of the same statement is not hidden."""
     topo = _mysql_topology("advice", [(mysql_main, 1)])
     try:
-        backend = topo.open(buckets=16)._backends[0]
+        backend = topo.open(buckets=16).router.backends[0]
         fetchall = backend.fetchall
         monkeypatch.setattr(  # the real server's answer to a variable it lacks
             backend, "fetchall", lambda sql, *a: fetchall(sql.replace("thread_pool", "no_such"))

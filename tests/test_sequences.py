@@ -115,7 +115,7 @@ def test_next_many_uses_one_statement(topo: Topology, monkeypatch: pytest.Monkey
     assert seq.next() == 1
     assert seq.next_many(0) == []
     assert seq.next_many(5) == [2, 3, 4, 5, 6]
-    counter = count_statements(ds._catalog_backend, monkeypatch)
+    counter = count_statements(ds.router.catalog_backend, monkeypatch)
     assert seq.next_many(25) == list(range(7, 32))  # 4 left in memory, 21 reserved
     assert counter[0] == 1
     assert seq.next() == 32
@@ -127,7 +127,7 @@ def test_one_statement_per_block(topo: Topology, monkeypatch: pytest.MonkeyPatch
     ds = topo.open()
     seq = block_seq(ds, "blocks", block=1000)
     seq.next()  # creates the table and the row
-    counter = count_statements(ds._catalog_backend, monkeypatch)
+    counter = count_statements(ds.router.catalog_backend, monkeypatch)
     ids = [seq.next() for _ in range(10_000)]
     assert ids == list(range(2, 10_002))
     assert counter[0] == 10  # blocks 1001-2000, ..., 10001-11000
@@ -248,7 +248,7 @@ def test_lowering_id_by_hand_repeats_nothing(topo: Topology) -> None:
     ds = topo.open()
     seq = block_seq(ds, "edited", block=10)
     before = [seq.next() for _ in range(15)]  # reserved up to 20
-    catalog = ds._catalog_backend
+    catalog = ds.router.catalog_backend
     assert catalog.update(SEQUENCES, {"id": 3}, {"name": "edited"}) == 1
     other = block_seq(topo.open(), "edited", block=10)  # another process, later
     assert other.next() == 21  # `high` still says 20
@@ -261,7 +261,7 @@ def test_a_running_process_never_goes_back(topo: Topology) -> None:
     ds = topo.open()
     seq = block_seq(ds, "lowered", block=10)
     handed = [seq.next() for _ in range(25)]  # reserved up to 30
-    catalog = ds._catalog_backend
+    catalog = ds.router.catalog_backend
     # Both columns lowered: the process's own floor still holds.
     catalog.update(SEQUENCES, {"id": 2, "high": 2}, {"name": "lowered"})
     handed += [seq.next() for _ in range(10)]
@@ -287,7 +287,7 @@ def test_several_servers_split_by_residue(topo: Topology, tmp_path: Path) -> Non
             assert ids == [1, 3, 5, 7, 9, 12, 14, 16, 18, 20, 21, 23, 25, 27, 29]
             assert list_sequences(ds) == [("spread", 30)]
             # the catalog holds no sequence: the id servers do
-            assert seqmod.id_servers(ds).backends[0] is not ds._catalog_backend
+            assert seqmod.id_servers(ds).backends[0] is not ds.router.catalog_backend
             tickets = ticket_seq(ds, "tix", start=10)
             got = [tickets.next() for _ in range(6)]
             assert sorted(got) == [10, 11, 12, 13, 14, 15]

@@ -107,7 +107,7 @@ def test_entities_spread_over_shards_by_bucket(topo: Topology) -> None:
     assert [s["buckets"] for s in status["shards"]] == [256, 256, 256, 256]
     shard_of = ds.placement.shard_of_bucket
     for entity_id in ids[:50]:
-        backend = ds._backends[shard_of[bucket_of(entity_id, 1024)]]
+        backend = ds.router.backends[shard_of[bucket_of(entity_id, 1024)]]
         assert backend.get_bodies("entities", [entity_id])
 
 
@@ -201,10 +201,10 @@ def test_embedded_open_creates_and_reopens(tmp_path: object) -> None:
 def test_parallel_fan_out_policy(tmp_path: Path) -> None:
     urls = [f"sqlite:///{tmp_path}/p_{i}.db" for i in range(3)]
     with bagstore.Datastore(urls) as ds:
-        assert ds._parallel is False  # embedded files: one after another
+        assert ds.router.parallel is False  # embedded files: one after another
         ids = ds.put_many([{"n": i} for i in range(60)])
     with bagstore.Datastore(urls, parallel=True) as ds:
-        assert ds._parallel is True
+        assert ds.router.parallel is True
         assert [e["n"] for e in ds.get_many(ids) if e is not None] == list(range(60))
     with pytest.raises(bagstore.ConfigurationError, match="parallel must be"):
         bagstore.Datastore(urls, parallel="yes")  # type: ignore[arg-type]
@@ -234,7 +234,7 @@ def test_sqlite_writer_waits_for_a_lock_another_connection_holds(tmp_path: Path)
     try:
         ds.put({"n": 0})
         holder = sqlite3.connect(
-            ds._backends[0].path, isolation_level=None, check_same_thread=False
+            ds.router.backends[0].path, isolation_level=None, check_same_thread=False
         )
         holder.execute("BEGIN IMMEDIATE")  # the write lock, held by someone else
         events: list[str] = []

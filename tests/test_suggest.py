@@ -88,7 +88,7 @@ def test_the_suggested_name_is_never_a_retired_or_existing_table(
     assert "bagstore index add index_a_2 --properties a" in str(exc.value)
     # another kind's index table, and one differing only in case, are taken too
     other = bagstore.open(
-        ds._root or "", kind="photos", indexes=[bagstore.Index("INDEX_A_2", ["x"])]
+        ds.router.opener.root or "", kind="photos", indexes=[bagstore.Index("INDEX_A_2", ["x"])]
     )
     try:
         with pytest.raises(bagstore.NoIndexForQuery) as exc:

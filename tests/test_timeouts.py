@@ -90,7 +90,7 @@ def test_a_stopped_server_gives_shard_timeout_for_a_put_and_a_get(
         first = ds.put({"t": "before"})
         entity = {"id": first, "t": "during"}
         with pytest.MonkeyPatch.context() as mp:
-            backend = ds._backends[0]
+            backend = ds.router.backends[0]
             made = _count_new_connections(mp, backend)
             with _stopped(server):
                 with pytest.raises(bagstore.ShardTimeout) as put_error:
@@ -150,7 +150,7 @@ def test_a_write_blocked_by_a_lock_times_out_once_and_is_not_applied(
         cur = holder.cursor()
         cur.execute("BEGIN")
         cur.execute("SELECT body FROM entities WHERE id = %s FOR UPDATE", (entity_id,))
-        backend = slow._backends[0]
+        backend = slow.router.backends[0]
         with pytest.MonkeyPatch.context() as mp:
             made = _count_new_connections(mp, backend)
             with pytest.raises(bagstore.ShardTimeout, match="may or may not have been applied"):
@@ -193,7 +193,7 @@ def test_the_cleaner_the_mover_check_and_count_run_as_bulk_work(tmp_path: Path) 
         on_first = [b for b in buckets if b is not None and ds.placement.shard_of_bucket[b] == 0]
         ds.add_index(bagstore.Index(table="index_t", properties=["t"]))
         for name in ("insert_index_rows", "copy_entity_rows", "count"):
-            for backend in ds._backends:
+            for backend in ds.router.backends:
                 method = getattr(backend, name)
 
                 def spy(*args: object, _m: object = method, _n: str = name, **kw: object) -> object:
@@ -250,7 +250,7 @@ def test_timeouts_reach_every_mysql_shard_and_a_url_wins(
     try:
         got = [
             (b._connect_timeout, b._read_timeout, b._write_timeout, b._bulk_timeout)  # type: ignore[attr-defined]
-            for b in ds._backends
+            for b in ds.router.backends
         ]
         assert got == [(2, 7, 30, 900), (2, 3, 30, 900)]
     finally:

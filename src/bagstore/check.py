@@ -72,8 +72,8 @@ def check(ds: Datastore, progress: Callable[[int, int], None] | None = None) -> 
     registry = ds.registry(refresh=True)
     report: dict[str, Any] = {"missing": 0, "stale": 0, "indexes": {}, "clashes": _clashes(ds)}
     ds.refresh_placement(force=True)
-    moves = unfinished_moves(ds)  # copies that are not their bucket's owner's: unseen
-    shards = range(len(ds._backends))
+    moves = unfinished_moves(ds.router)  # copies that are not their bucket's owner's: unseen
+    shards = range(len(ds.router.backends))
     maintained = registry.maintained()
     total = ds.count() * len(maintained) if progress is not None and maintained else 0
     done, lock = [0], threading.Lock()
@@ -90,7 +90,7 @@ def check(ds: Datastore, progress: Callable[[int, int], None] | None = None) -> 
         def collect(shard: int, index: Index = index) -> list[tuple[int, tuple[bytes, ...]]]:
             out = []
             read = 0
-            backend = ds._backends[shard]
+            backend = ds.router.backends[shard]
             unseen = moves.ids_on(backend, shard, ds.kind)
             for _, entity_id, body, _ in iter_entities(backend, ds.kind):
                 entity = codec.decode(body) if entity_id not in unseen else None
@@ -103,15 +103,15 @@ def check(ds: Datastore, progress: Callable[[int, int], None] | None = None) -> 
             advance(read)
             return out
 
-        for part in ds._map(collect, shards):
+        for part in ds.router.map(collect, shards):
             for shard, row in part:
                 expected[shard].add(row)
 
         def held(shard: int, index: Index = index) -> set[tuple[bytes, ...]]:
-            backend = ds._backends[shard]
+            backend = ds.router.backends[shard]
             return set(iter_index_rows(backend, index)) - moves.index_rows_on(backend, shard, index)
 
-        actual = ds._map(held, shards)
+        actual = ds.router.map(held, shards)
         missing = [(s, r) for s in shards for r in expected[s] - actual[s]]
         stale = [(s, r) for s in shards for r in actual[s] - expected[s]]
         report["indexes"][index.table] = {
@@ -137,9 +137,9 @@ def check(ds: Datastore, progress: Callable[[int, int], None] | None = None) -> 
 def _clashes(ds: Datastore) -> list[dict[str, Any]]:
     """Names the catalog records that meet another's (bagstore.names), and this
     kind's indexes whose table on some shard is not theirs: each set aside."""
-    found = clashes(ds.catalog.kinds(), ds._index_catalog.all_entries())
+    found = clashes(ds.catalog.kinds(), ds.index_catalog.all_entries())
     named = {c["name"] for c in found}
-    for table in sorted(ds._clashing - named):
+    for table in sorted(ds.index_tables.clashing - named):
         found.append(
             {
                 "name": table,

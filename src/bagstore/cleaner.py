@@ -126,14 +126,16 @@ class Cleaner:
     ) -> None:
         check_pacing(batch, duty, max_rate)
         self.ds = datastore
+        #: where rows go and the retries on a moved bucket (bagstore.sharding.router)
+        self.router = datastore.router
         self.batch = batch
         self.max_rate = max_rate
         self.duty = duty
         # Writers learn of a new index within refresh_interval: a backfill that
         # read an entity before every writer maintained the index could miss a
         # later change by a writer that did not know it yet.
-        self.settle = datastore._refresh_interval + 1.0 if settle is None else settle
-        self.checkpoints = Checkpoints(datastore._catalog_backend)
+        self.settle = datastore.router.refresh_interval + 1.0 if settle is None else settle
+        self.checkpoints = Checkpoints(datastore.router.catalog_backend)
         self._stop = threading.Event()
         self._gates: dict[str, threading.Lock] = {}
         self._gates_lock = threading.Lock()
@@ -183,7 +185,7 @@ class Cleaner:
 
     def _parallel(self, fn: Callable[[int], CleanStats], shards: Iterable[int]) -> CleanStats:
         """Run ``fn`` per shard in threads; Ctrl-C stops them after their batch."""
-        pool = self.ds._pool()
+        pool = self.router.pool()
         futures: list[Future[CleanStats]] = [pool.submit(fn, s) for s in shards]
         try:
             while True:
@@ -217,8 +219,8 @@ class Cleaner:
             return n
 
         rows = list(rows)
-        written = sum(self.ds._route(rows, lambda r: r.bucket, on))
-        self.ds._cache.rows_repaired(index, rows, self.ds.registry())
+        written = sum(self.router.by_bucket(rows, lambda r: r.bucket, on))
+        self.ds.cache_layer.rows_repaired(index, rows, self.ds.registry())
         return written
 
     def _rows_of(self, index: Index, ids: Sequence[bytes]) -> list[tuple[int, IndexRow]]:
@@ -227,7 +229,7 @@ class Cleaner:
         def on(backend: Backend) -> list[IndexRow]:
             return backend.rows_of_entities(index.table, index.properties, ids)
 
-        found = self.ds._map(on, self.ds._backends)
+        found = self.router.on_all(on)
         moves = self._moves
         return [
             (s, r) for s, part in enumerate(found) for r in part if not moves.hides(s, r.bucket)
@@ -238,10 +240,10 @@ class Cleaner:
         for shard, row in rows:
             grouped[shard].append(row)
         removed = sum(
-            self.ds._backends[s].delete_index_rows(index.table, index.properties, part)
+            self.router.backends[s].delete_index_rows(index.table, index.properties, part)
             for s, part in grouped.items()
         )
-        self.ds._cache.rows_repaired(
+        self.ds.cache_layer.rows_repaired(
             index, [r for part in grouped.values() for r in part], self.ds.registry()
         )
         return removed
@@ -258,14 +260,14 @@ class Cleaner:
             raise ConfigurationError(f"index {table!r} is {state}: nothing to backfill")
         self._stop.clear()
         started = time.monotonic()  # the settle wait counts in stats.seconds
-        registered = self.ds._index_catalog.changed(table) or 0
+        registered = self.ds.index_catalog.changed(table) or 0
         wait = registered / 1e6 + self.settle - time.time()
         if wait > 0 and state == BUILDING:
             self._stop.wait(wait)
-        shards = range(len(self.ds._backends))
+        shards = range(len(self.router.backends))
         names = [self._checkpoint_name(index, s) for s in shards]
         starts = [self.checkpoints.get(n) or 0 for n in names]
-        ends = self.ds._map(lambda b: b.max_added_id(self.ds.kind), self.ds._backends)
+        ends = self.router.on_all(lambda b: b.max_added_id(self.ds.kind))
         total = sum(max(0, e - s) for s, e in zip(starts, ends, strict=True))
         done = [0]
         lock = threading.Lock()
@@ -303,7 +305,7 @@ class Cleaner:
             log.info("%s: stopped after %s; it resumes from its checkpoints", what, counts)
             return stats
         now = time.time_ns() // 1000
-        self.ds._index_catalog.set_state(table, READY, now, expect=BUILDING)
+        self.ds.index_catalog.set_state(table, READY, now, expect=BUILDING)
         self.checkpoints.clear(self._checkpoint_name(index, None))
         self.ds.registry(refresh=True)
         log.info("%s: done, %s; the index is ready", what, counts)
@@ -327,7 +329,7 @@ class Cleaner:
         ``added_id`` when the backfill started: every entity added later was
         written by a writer that already maintained the index, so chasing them
         would only keep a busy store's backfill from ever finishing."""
-        backend = self.ds._backends[shard]
+        backend = self.router.backends[shard]
         throttle = self._throttle(shards)
         stats = CleanStats()
         position = [after]
@@ -347,7 +349,7 @@ class Cleaner:
                 return None
             wanted: dict[bytes, set[IndexRow]] = {}
             stamp: dict[bytes, int] = {}
-            unseen = unfinished_moves(self.ds).ids_on(backend, shard, self.ds.kind)
+            unseen = unfinished_moves(self.router).ids_on(backend, shard, self.ds.kind)
             for _, entity_id, body, updated in batch:
                 if entity_id in unseen:  # a copy that is not its bucket owner's
                     continue
@@ -415,7 +417,7 @@ class Cleaner:
         self.ds.refresh_placement(force=True)  # a stale owner would make live rows look stale
         stats = CleanStats()
         if indexes:
-            shards = range(len(self.ds._backends))
+            shards = range(len(self.router.backends))
             total = self.ds.count() if progress is not None else 0
             done, lock = [0], threading.Lock()
 
@@ -453,7 +455,7 @@ class Cleaner:
         shards: int,
         advance: Callable[[int], None],
     ) -> CleanStats:
-        backend = self.ds._backends[shard]
+        backend = self.router.backends[shard]
         throttle = self._throttle(shards)
         stats = CleanStats()
         position: list[tuple[int, int] | None] = [None]
@@ -463,7 +465,7 @@ class Cleaner:
             if not batch:
                 return None
             # A bucket in an unfinished move is reconciled from its owner's copy only.
-            self._moves = seen = unfinished_moves(self.ds)
+            self._moves = seen = unfinished_moves(self.router)
             unseen = seen.ids_on(backend, shard, self.ds.kind)
             bodies = {i: (body, updated) for _, i, body, updated in batch if i not in unseen}
             written, removed = self._reconcile(indexes, backend, bodies, seen=seen)
@@ -518,7 +520,9 @@ class Cleaner:
                 if shard < 0:  # found, its bucket unknown here: its shard's pass will do
                     continue
                 bodies_there = {i: (s.body, s.updated) for i, s in found.items()}
-                w, r = self._reconcile(indexes, self.ds._backends[shard], bodies_there, depth + 1)
+                w, r = self._reconcile(
+                    indexes, self.router.backends[shard], bodies_there, depth + 1
+                )
                 written, removed = written + w, removed + r
             elsewhere = {i for found in moved.values() for i in found}
             removed += self._remove_rows_of(indexes, [i for i in missing if i not in elsewhere])
@@ -535,12 +539,12 @@ class Cleaner:
             return {}
         ds = self.ds
         ds.refresh_placement(force=True)
-        found = ds._fetch_many(ids)
-        where = ds._placer.locate(list(found))
+        found = ds.fetch_many(ids)
+        where = ds.placer.locate(list(found))
         out: dict[int, dict[bytes, Stored]] = {}
         for entity_id, stored in found.items():
             bucket = where.get(entity_id)
-            shard = ds._shard_of_bucket[bucket] if bucket is not None else -1
+            shard = self.router.topology.shard_of_bucket[bucket] if bucket is not None else -1
             out.setdefault(shard, {})[entity_id] = stored
         return out
 
@@ -549,17 +553,19 @@ class Cleaner:
     ) -> int:
         """Delete the unique rows among ``rows`` whose claims are dead (see
         :func:`bagstore.owners.drop_dead_claims`)."""
-        removed, tried = drop_dead_claims(self.ds, index, rows, stored)
+        removed, tried = drop_dead_claims(
+            self.router, self.ds.indexer.lease_us, index, rows, stored
+        )
         if tried:
-            self.ds._cache.rows_repaired(index, tried, self.ds.registry())
+            self.ds.cache_layer.rows_repaired(index, tried, self.ds.registry())
         return removed
 
     def _left_behind(self, backend: Backend, ids: Sequence[bytes], seen: Moves) -> set[bytes]:
         """Ids of a batch whose bucket's copy on ``backend`` stopped being the
         owner's while the batch was reconciled (a move switched): reconciled
         again from the owner's body (``seen``: the moves when the batch was read)."""
-        shard = self.ds._backends.index(backend)
-        self._moves = later = unfinished_moves(self.ds)
+        shard = self.router.backends.index(backend)
+        self._moves = later = unfinished_moves(self.router)
         new = later.hidden.get(shard, frozenset()) - seen.hidden.get(shard, frozenset())
         if not new:
             return set()
@@ -589,8 +595,8 @@ class Cleaner:
         to the mover.
         """
         removed = 0
-        self._moves = unfinished_moves(self.ds)
-        for shard, backend in enumerate(self.ds._backends):
+        self._moves = unfinished_moves(self.router)
+        for shard, backend in enumerate(self.router.backends):
             page: list[tuple[bytes, ...]] = []
             for row in iter_index_rows(backend, index):
                 page.append(row)
@@ -604,11 +610,11 @@ class Cleaner:
         if not rows:
             return 0
         ids = list(dict.fromkeys(r[-1] for r in rows))
-        present = self.ds._fetch_many(ids)
+        present = self.ds.fetch_many(ids)
         gone = ids if index.unique else [i for i in ids if i not in present]
         if not gone:
             return 0
-        backend, moves = self.ds._backends[shard], self._moves
+        backend, moves = self.router.backends[shard], self._moves
         orphans = [
             r
             for r in backend.rows_of_entities(index.table, index.properties, gone)

@@ -22,7 +22,7 @@ A second owner gets ``DuplicateValue`` and nothing of it is stored.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +33,9 @@ from bagstore.owners import unfinished_moves
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
-    from bagstore.datastore import Datastore
+    from bagstore.backends.base import Stored
     from bagstore.index import Index
+    from bagstore.sharding.router import Router
 
 __all__ = ["Change", "Claim", "Indexer"]
 
@@ -64,13 +65,20 @@ class Claim:
 class Indexer:
     """Index-row writes for one datastore."""
 
-    def __init__(self, ds: Datastore, lease: float) -> None:
-        self.ds = ds
+    def __init__(
+        self,
+        router: Router,
+        lease: float,
+        fetch_many: Callable[[Iterable[bytes]], dict[bytes, Stored]],
+    ) -> None:
+        self.router = router
         self.lease_us = int(lease * 1_000_000)
+        #: rows as their shards hold them now (past every cache level)
+        self.fetch_many = fetch_many
 
     @property
     def buckets(self) -> int:
-        return self.ds.placement.buckets
+        return self.router.placement.buckets
 
     @staticmethod
     def diff(
@@ -136,10 +144,7 @@ class Indexer:
 
     def _claim(self, c: Claim) -> int | None:
         """The claim's time if newly claimed, None if it was this entity's already."""
-        return self.ds._fenced(lambda: self._claim_on(c, self.ds._backends[self._shard_no(c.row)]))
-
-    def _shard_no(self, row: IndexRow) -> int:
-        return self.ds._shard_of_bucket[row.bucket]
+        return self.router.on_bucket(c.row.bucket, lambda backend: self._claim_on(c, backend))
 
     def _claim_on(self, c: Claim, backend: Backend) -> int | None:
         cols = c.index.properties
@@ -153,8 +158,8 @@ class Indexer:
                 return None
             # Read the owner where its bucket is now: a killed move leaves an
             # old copy where a placement read before the switch still looks.
-            unfinished_moves(self.ds)
-            stored = self.ds._fetch_stored(owner)
+            unfinished_moves(self.router)
+            stored = self.fetch_many([owner]).get(owner)
             owner_has_it = False
             if stored is not None:
                 body = codec.decode(stored.body)
@@ -182,7 +187,7 @@ class Indexer:
         """Release the claims whose entity does not (now) hold the value."""
         if not claims:
             return
-        bodies = self.ds._fetch_many({c.row.entity_id for c in claims})
+        bodies = self.fetch_many({c.row.entity_id for c in claims})
         unheld = []
         for c in claims:
             stored = bodies.get(c.row.entity_id)
@@ -242,4 +247,4 @@ class Indexer:
                         table, cols, rows, fenced=True, claimed_at_most=bounds if bounded else None
                     )
 
-        self.ds._route(items, lambda item: item[1].bucket, on_shard)
+        self.router.by_bucket(items, lambda item: item[1].bucket, on_shard)

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from bagstore.backends import Backend
     from bagstore.backends.base import Stored
     from bagstore.backends.indexsql import IndexRow
-    from bagstore.datastore import Datastore
     from bagstore.index import Index
+    from bagstore.sharding.router import Router
 
 __all__ = ["Moves", "claim_is_dead", "drop_dead_claims", "unfinished_moves"]
 
@@ -68,25 +68,25 @@ class Moves:
         return out
 
 
-def unfinished_moves(ds: Datastore) -> Moves:
+def unfinished_moves(router: Router) -> Moves:
     """The copies hidden by the catalog's unfinished moves, as it holds them now.
 
     The moves are read first, then where the placement puts their buckets (so
-    a move that switches in between is seen switched); ``ds`` learns those
+    a move that switches in between is seen switched); ``router`` learns those
     owners, so that its routing agrees.  One catalog read when no move is
     unfinished."""
-    moves = ds.catalog.moves()
+    moves = router.catalog.moves()
     if not moves:
         return Moves()
-    owners = ds.catalog.shards_of(sorted(moves))
-    moved = any(ds.placement.shard_of_bucket[b] != s for b, s in owners.items())
-    if moved and not ds._learn_buckets(owners):  # a shard this process has not opened
-        ds.refresh_placement(force=True)
+    owners = router.catalog.shards_of(sorted(moves))
+    moved = any(router.placement.shard_of_bucket[b] != s for b, s in owners.items())
+    if moved and not router.learn(owners):  # a shard this process has not opened
+        router.refresh(force=True)
     hidden: dict[int, set[int]] = {}
     for bucket, (source, target, _) in moves.items():
         owner = owners.get(bucket, source)
         for shard in (source, target):
-            if shard != owner and shard < len(ds._backends):
+            if shard != owner and shard < len(router.backends):
                 hidden.setdefault(shard, set()).add(bucket)
     return Moves({s: frozenset(b) for s, b in hidden.items()})
 
@@ -116,7 +116,8 @@ def claim_is_dead(
 
 
 def drop_dead_claims(
-    ds: Datastore,
+    router: Router,
+    lease: int,
     index: Index,
     rows: Iterable[tuple[int, IndexRow]],
     stored: Mapping[bytes, Stored | None],
@@ -131,10 +132,10 @@ def drop_dead_claims(
     for shard, row in rows:
         by_shard.setdefault(shard, set()).add(row)
     now = time.time_ns() // 1000
-    lease, buckets = ds._indexer.lease_us, ds.placement.buckets
+    buckets = router.placement.buckets
     removed, tried = 0, []
     for shard, wanted in by_shard.items():
-        backend = ds._backends[shard]
+        backend = router.backends[shard]
         ids = sorted({r.entity_id for r in wanted})
         dead = [
             (row, claimed)

@@ -37,7 +37,7 @@ __all__ = ["forget_index", "rename_index"]
 
 def _entry(ds: Datastore, table: str) -> tuple[str, str] | None:
     """``(definition, state)`` the catalog records for index ``table`` of this kind."""
-    for name, definition, state in ds._index_catalog.entries(ds.kind):
+    for name, definition, state in ds.index_catalog.entries(ds.kind):
         if name == table:
             return definition, state
     return None
@@ -66,12 +66,12 @@ def forget_index(ds: Datastore, table: str) -> None:
             b.after_bulk_step()  # freeing a large table's pages is bulk work too
             return dropped
 
-        ds._map(drop, ds._backends)
-    ds._index_catalog.remove(table)
-    Checkpoints(ds._catalog_backend).clear(f"backfill:{ds.kind}:{table}:")
-    ds._tables_ready.discard(table)
-    ds._clashing.discard(table)
-    ds._cache.index_changed(table)
+        ds.router.on_all(drop)
+    ds.index_catalog.remove(table)
+    Checkpoints(ds.router.catalog_backend).clear(f"backfill:{ds.kind}:{table}:")
+    ds.index_tables.tables_ready.discard(table)
+    ds.index_tables.clashing.discard(table)
+    ds.cache_layer.index_changed(table)
     ds.registry(refresh=True)
 
 
@@ -95,7 +95,7 @@ def rename_index(ds: Datastore, old: str, new: str, *, settle: float | None = No
     if new_state == BUILDING:
         Cleaner(ds, settle=settle).backfill(new)
         new_state = ds.registry(refresh=True).state(new) or BUILDING
-    ds._index_catalog.set_state(old, RETIRED, time.time_ns() // 1000)
-    ds._cache.index_changed(old)
+    ds.index_catalog.set_state(old, RETIRED, time.time_ns() // 1000)
+    ds.cache_layer.index_changed(old)
     forget_index(ds, old)
     return new_state

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bagstore import testing
-from bagstore.backends import Backend, open_backend
+from bagstore.backends import Backend
 from bagstore.backends.buckets import FROZEN, INCOMING, OWNED
 from bagstore.backends.indexsql import IndexRow
 from bagstore.backends.pool import long_statements
@@ -135,12 +135,12 @@ class Mover:
             raise ConfigurationError(f"grace must be a number of seconds >= 0, not {grace!r}")
         self.ds = ds
         self.batch = batch
-        self.grace = ds._refresh_interval + 1.0 if grace is None else grace
+        self.grace = ds.router.refresh_interval + 1.0 if grace is None else grace
         self.progress = progress
         self.on_step = on_step
         self.duty = duty
         self.max_rate = max_rate
-        self.index_catalog = IndexCatalog(ds._catalog_backend)
+        self.index_catalog = IndexCatalog(ds.router.catalog_backend)
         self._throttle = Throttle(max_rate=max_rate, duty=duty, adaptive=False)
         self._prepared: set[tuple[str, tuple[str, ...]]] = set()
 
@@ -164,16 +164,14 @@ class Mover:
         """Register a new, empty shard; return its number.  It holds no bucket
         until buckets are moved to it."""
         ds = self.ds
-        backend = open_backend(
-            url, mysql=ds._mysql_defaults, sqlite_synchronous=ds._sqlite_synchronous
-        )
+        backend = ds.router.opener.open(url)
         try:
-            if any(b.name == backend.name for b in ds._backends):
+            if any(b.name == backend.name for b in ds.router.backends):
                 raise ConfigurationError(f"{backend.name} is already a shard of this store")
             ensure_limits = getattr(backend, "ensure_limits", None)
             if ensure_limits is not None:  # its server must carry the store's largest body
                 ensure_limits()
-                ds._check_body_capacity(backend)
+                ds.check_body_capacity(backend)
             no = len(ds.catalog.read_placement().shard_names)
             store, stamped = backend.stamp(ds.placement.store_id, no)
             if store != ds.placement.store_id or stamped != no:
@@ -183,11 +181,7 @@ class Mover:
             self._prepare(backend)
         finally:
             backend.close()
-        name = backend.name
-        if ds._root is not None and name.startswith("sqlite:///"):
-            path = name[len("sqlite:///") :]
-            if path.startswith(ds._root.rstrip("/") + "/"):
-                name = path[len(ds._root.rstrip("/")) + 1 :]
+        name = ds.router.opener.listed_name(backend.name)
         no = ds.catalog.add_shard(name)
         ds.refresh_placement(force=True)
         log.info("shard %d added: %s (it holds no bucket until buckets move to it)", no, name)
@@ -219,7 +213,7 @@ class Mover:
         names = self.ds.refresh_placement(force=True).shard_names
         if isinstance(to, int) and not isinstance(to, bool) and 0 <= to < len(names):
             return to
-        for no, backend in enumerate(self.ds._backends):
+        for no, backend in enumerate(self.ds.router.backends):
             if to in (backend.name, names[no]):
                 return no
         raise ConfigurationError(f"no shard {to!r} in this store (shards: {list(names)})")
@@ -229,7 +223,7 @@ class Mover:
         (each server once), as sentences for people; empty when none."""
         seen: set[str] = set()
         advice: list[str] = []
-        for backend in self.ds._backends:
+        for backend in self.ds.router.backends:
             server = backend.server or backend.name  # (embedded: the file)
             if server not in seen:
                 seen.add(server)
@@ -251,7 +245,9 @@ class Mover:
                     f"bucket {b} has an unfinished move to shard {unfinished[b][1]}: "
                     "resume or roll it back first"
                 )
-        log.info("moving %d buckets to shard %s", len(buckets), self.ds._backends[target].name)
+        log.info(
+            "moving %d buckets to shard %s", len(buckets), self.ds.router.backends[target].name
+        )
         stats = MoveStats()
         started = time.monotonic()
         switched: list[tuple[int, int]] = []
@@ -274,7 +270,7 @@ class Mover:
             "moved %d buckets to shard %s: %d entities, %d index rows copied, %d rows "
             "deleted from the old shards in %.1fs",
             stats.buckets,
-            self.ds._backends[target].name,
+            self.ds.router.backends[target].name,
             stats.entities,
             stats.index_rows,
             stats.deleted,
@@ -305,7 +301,7 @@ class Mover:
         self, b: int, source: int, target: int, stats: MoveStats, layout: _Layout
     ) -> None:
         ds = self.ds
-        src, dst = ds._backends[source], ds._backends[target]
+        src, dst = ds.router.backends[source], ds.router.backends[target]
         began, copied = time.monotonic(), (stats.entities, stats.index_rows)
         log.debug("bucket %d: copying from shard %s to shard %s", b, src.name, dst.name)
         ds.catalog.set_move(b, source, target, COPY)
@@ -328,7 +324,7 @@ class Mover:
         testing.hit("move.after_switch")
         stats.longest_freeze = max(stats.longest_freeze, time.monotonic() - frozen_at)
         stats.buckets += 1
-        ds._learn_buckets({b: target})
+        ds.router.learn({b: target})
         log.info(
             "bucket %d moved from shard %s to shard %s: %d entities, %d index rows "
             "in %.2fs (writes frozen %.3fs)",
@@ -351,7 +347,7 @@ class Mover:
         # were written to the buckets' new shards only.
         layout = self._layout()
         for b, source in switched:
-            deleted = self._clear(b, self.ds._backends[source], layout)
+            deleted = self._clear(b, self.ds.router.backends[source], layout)
             stats.deleted += deleted
             self.ds.catalog.end_move(b)
             log.debug("bucket %d: %d rows deleted from its old shard %d", b, deleted, source)
@@ -466,7 +462,7 @@ class Mover:
                     self._move_one(b, source, target, stats, layout)
                 else:
                     self.ds.catalog.set_move(b, source, target, SWITCHED)
-                    self.ds._backends[source].release_bucket(b)
+                    self.ds.router.backends[source].release_bucket(b)
                 switched.append((b, source))
                 if self.progress is not None:
                     self.progress(i + 1, len(unfinished))
@@ -486,7 +482,7 @@ class Mover:
                 f"the move of bucket {bucket} has switched already: resume it instead"
             )
         self.ds.refresh_placement(force=True)
-        src, dst = self.ds._backends[source], self.ds._backends[target]
+        src, dst = self.ds.router.backends[source], self.ds.router.backends[target]
         src.set_bucket_state(bucket, OWNED)
         dst.release_bucket(bucket)
         self._clear(bucket, dst)
@@ -503,7 +499,7 @@ class Mover:
         old copies deleted.  Re-running it after a crash finishes the job.
         """
         ds = self.ds
-        placer = ds._placer
+        placer = ds.placer
         directory = placer.directory
         if directory is None:
             raise ConfigurationError(
@@ -529,8 +525,8 @@ class Mover:
         self._step("wait", 0)
         time.sleep(directory.ttl + 0.2 if wait is None else wait)
         placement = ds.refresh_placement(force=True)
-        src = ds._backends[placement.shard_of_bucket[old]]
-        dst = ds._backends[placement.shard_of_bucket[to_bucket]]
+        src = ds.router.backends[placement.shard_of_bucket[old]]
+        dst = ds.router.backends[placement.shard_of_bucket[to_bucket]]
         ids = list(src.bucket_stamps(ds.kind, old))
         moved: list[bytes] = []
         for start in range(0, len(ids), self.batch):

@@ -165,15 +165,15 @@ def id_servers(ds: Datastore) -> IdServers:
         found = _registry.get(ds)
         if found is not None:
             return found
-        urls = list(ds._sequence_servers)
+        urls = list(ds.sequence_servers)
         if not urls:
-            servers = IdServers([ds._catalog_backend], owned=False)
+            servers = IdServers([ds.router.catalog_backend], owned=False)
         else:
             if any(not isinstance(u, str) for u in urls) or all(len(u) == 1 for u in urls):
                 raise ConfigurationError(
-                    f"sequence_servers must be a list of URLs, not {ds._sequence_servers!r}"
+                    f"sequence_servers must be a list of URLs, not {ds.sequence_servers!r}"
                 )
-            backends = [open_backend(u, mysql=ds._mysql_defaults) for u in urls]
+            backends = [open_backend(u, mysql=ds.router.opener.mysql) for u in urls]
             names = [b.name for b in backends]
             if len(set(names)) != len(names):
                 for b in backends:

@@ -24,7 +24,7 @@ from bagstore.sharding.hashing import bucket_of, buckets_of
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
-    from bagstore.datastore import Datastore
+    from bagstore.sharding.router import Router
 
 __all__ = ["SHARD_MAPS", "Placer"]
 
@@ -35,15 +35,18 @@ _CACHE = 100_000
 class Placer:
     """Bucket of entities and ids for one kind of one datastore."""
 
-    def __init__(self, ds: Datastore, shard_key: str | None, shard_map: str) -> None:
+    def __init__(self, router: Router, kind: str, shard_key: str | None, shard_map: str) -> None:
         if shard_map not in SHARD_MAPS:
             raise ConfigurationError(f"shard_map must be one of {SHARD_MAPS}, not {shard_map!r}")
         if shard_map == "directory" and shard_key is None:
             raise ConfigurationError("shard_map='directory' needs a shard_key")
-        self.ds = ds
+        self.router = router
+        self.kind = kind
         self.shard_key = shard_key
         self.directory = (
-            Directory(ds._catalog_backend, ds.kind, ds.placement.buckets, ds._refresh_interval)
+            Directory(
+                router.catalog_backend, kind, router.placement.buckets, router.refresh_interval
+            )
             if shard_map == "directory"
             else None
         )
@@ -61,7 +64,7 @@ class Placer:
         value = entity.get(self.shard_key)
         if value is None or isinstance(value, list):
             raise InvalidEntity(
-                f"kind {self.ds.kind!r} is placed by {self.shard_key!r}: every entity needs "
+                f"kind {self.kind!r} is placed by {self.shard_key!r}: every entity needs "
                 "one (a str, bytes, int, float, bool or datetime)"
             )
         try:
@@ -71,7 +74,7 @@ class Placer:
 
     def bucket_of_key(self, key: bytes, *, for_write: bool) -> int | None:
         if self.directory is None:
-            return bucket_of(key, self.ds.placement.buckets)
+            return bucket_of(key, self.router.placement.buckets)
         if for_write:
             return self.directory.bucket_for_write(key)
         found = self.directory.lookup(key)
@@ -80,7 +83,7 @@ class Placer:
     def entity_bucket(self, entity: Mapping[str, Any], entity_id: bytes) -> int:
         """The bucket an entity is written to (may assign a directory entry)."""
         if self.shard_key is None:
-            return bucket_of(entity_id, self.ds.placement.buckets)
+            return bucket_of(entity_id, self.router.placement.buckets)
         bucket = self.bucket_of_key(self.key_of(entity), for_write=True)
         assert bucket is not None
         return bucket
@@ -88,13 +91,13 @@ class Placer:
     # -- ids -------------------------------------------------------------------------
     def id_bucket(self, entity_id: bytes) -> int:
         """The bucket where an id's lookup row lives (the hash of the id)."""
-        return bucket_of(entity_id, self.ds.placement.buckets)
+        return bucket_of(entity_id, self.router.placement.buckets)
 
     def locate(self, ids: Iterable[bytes]) -> dict[bytes, int]:
         """``{id: bucket}`` of the ids whose entity's bucket is known (by hash,
         cache or lookup rows); ids not recorded anywhere are left out."""
         if self.shard_key is None:
-            return buckets_of(ids, self.ds.placement.buckets)
+            return buckets_of(ids, self.router.placement.buckets)
         out: dict[bytes, int] = {}
         missing: list[bytes] = []
         with self._lock:
@@ -105,10 +108,10 @@ class Placer:
                 else:
                     out[i] = hit
         if missing:
-            found = self.ds._route(
+            found = self.router.by_bucket(
                 list(dict.fromkeys(missing)),
                 self.id_bucket,
-                lambda b, part: b.lookup_ids(self.ds.kind, part),
+                lambda b, part: b.lookup_ids(self.kind, part),
             )
             for part in found:
                 out.update(part)
@@ -120,10 +123,10 @@ class Placer:
         record what is found again."""
 
         def on(backend: Backend) -> list[tuple[bytes, int]]:
-            rows = backend.entity_rows(self.ds.kind, ids)
+            rows = backend.entity_rows(self.kind, ids)
             return [(r[0], r[1]) for r in rows]
 
-        found = dict(pair for part in self.ds._map(on, list(self.ds._backends)) for pair in part)
+        found = dict(pair for part in self.router.on_all(on) for pair in part)
         if found and self.keyed:
             self.record(found)
         return found
@@ -142,8 +145,8 @@ class Placer:
         """Write lookup rows ``id -> entity bucket`` (before the entities)."""
         if self.shard_key is None or not pairs:
             return
-        kind = self.ds.kind
-        self.ds._route(
+        kind = self.kind
+        self.router.by_bucket(
             list(pairs.items()),
             lambda item: self.id_bucket(item[0]),
             lambda b, part: b.record_ids(kind, [(i, self.id_bucket(i), eb) for i, eb in part]),
@@ -153,7 +156,9 @@ class Placer:
     def forget(self, ids: Sequence[bytes]) -> None:
         if self.shard_key is None or not ids:
             return
-        self.ds._route(list(ids), self.id_bucket, lambda b, part: b.forget_ids(self.ds.kind, part))
+        self.router.by_bucket(
+            list(ids), self.id_bucket, lambda b, part: b.forget_ids(self.kind, part)
+        )
         with self._lock:
             for i in ids:
                 self._known.pop(i, None)

@@ -1,0 +1,256 @@
+"""The read path: entities by id and the shard scans of queries.
+
+:class:`Reads` turns ids into rows: the placer says which bucket holds each
+id, the router's topology which shard holds the bucket, and one statement per
+shard (or one for all the shards of one server and login) reads them.  With a
+cache level (:mod:`bagstore.cache`) the layer is asked first and calls back
+:meth:`Reads.fetch_many` for what it lacks.  It is also the query engine's
+:class:`bagstore.query.Source` (see :func:`bagstore.query.execute`).
+
+    >>> import bagstore, tempfile
+    >>> ds = bagstore.open(tempfile.mkdtemp())
+    >>> ds.get_many([ds.put({"n": 1})])[0]["n"]
+    1
+    >>> ds.close()
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from bagstore import codec
+from bagstore.backends import Backend, Stored
+from bagstore.backends.base import TOGETHER_MAX_IDS, read_bodies_together
+from bagstore.cache.request import _current as _current_request
+from bagstore.query import Plan, _Stream, merged_eq, shard_scans
+from bagstore.sharding.hashing import bucket_of
+
+if TYPE_CHECKING:
+    from bagstore.cache.layer import CacheLayer
+    from bagstore.sharding.placer import Placer
+    from bagstore.sharding.router import Router
+
+__all__ = ["Reads", "together"]
+
+T = TypeVar("T")
+
+
+class Reads:
+    """Reads of one kind: by id through the cache layer, or straight from the
+    shards, and the scans of queries."""
+
+    def __init__(self, kind: str, router: Router, placer: Placer, cache: CacheLayer) -> None:
+        self.kind = kind
+        self.router = router
+        self.placer = placer
+        self.cache = cache
+        #: no cache level to consult and the id alone names the bucket
+        self.direct = cache.cache is None and not placer.keyed
+        # see _joinable: (group, alone, shards) -> (shards, schemas, backends)
+        self._join_plans: dict[
+            tuple[tuple[int, ...], bool, int],
+            tuple[tuple[int, ...], tuple[str | None, ...], tuple[Backend, ...]],
+        ] = {}
+
+    def uncached(self) -> bool:
+        """Whether reads go straight to the shards: no shared cache level and
+        no request-scoped one open on this thread."""
+        return self.cache.cache is None and _current_request.get() is None
+
+    # -- by id ---------------------------------------------------------------------
+    def get(self, entity_id: bytes) -> dict[str, Any] | None:
+        """One entity (the id checked by the caller), or None."""
+        router = self.router
+        if time.monotonic() - router.checked_at >= router.refresh_interval:
+            router.refresh()
+        if self.direct and _current_request.get() is None:
+            # No cache level to consult and the id alone names the bucket:
+            # one statement on one shard.
+            topology = router.topology
+            backend = topology.backend_of(bucket_of(entity_id, topology.buckets))
+            body = backend.get_body(self.kind, entity_id)
+            return None if body is None else codec.decode(body)
+        return self.cache.get(entity_id, self.fetch_many)
+
+    def get_many(self, wanted: list[bytes]) -> list[dict[str, Any] | None]:
+        """Entities in the order asked (None where missing)."""
+        self.router.refresh()
+        if self.uncached():
+            bodies = self.fetch_bodies(wanted)
+            decode = codec.decode
+            return [decode(bodies[i]) if i in bodies else None for i in wanted]
+        return self.cache.get_many(wanted, self.fetch_many)
+
+    def fetch_stored(self, entity_id: bytes) -> Stored | None:
+        return self.fetch_many([entity_id]).get(entity_id)
+
+    def fetch_many(self, ids: Iterable[bytes]) -> dict[bytes, Stored]:
+        """``{id: Stored}`` of the ids that exist, as their shards hold them now
+        (what the cache layer keeps)."""
+        return {r[0]: Stored(r[1], r[2], r[3]) for r in self.read_rows(ids, stamps=True)}
+
+    def fetch_bodies(self, ids: Iterable[bytes]) -> dict[bytes, bytes]:
+        """``{id: encoded body}`` of the ids that exist (reads with no cache level)."""
+        return {r[0]: r[1] for r in self.read_rows(ids, stamps=False)}
+
+    def read_rows(self, ids: Iterable[bytes], *, stamps: bool) -> list[tuple[Any, ...]]:
+        wanted = list(dict.fromkeys(ids))
+        if not self.placer.keyed:  # the id names the bucket
+            topology = self.router.topology
+            sole = topology.sole_shard
+            if sole is not None:  # and every bucket is on one shard
+                return topology.backends[sole].read_bodies(self.kind, wanted, stamps=stamps)
+            return self._rows_at(self.placer.locate(wanted), stamps)
+        rows = self._rows_at(self.placer.locate(wanted), stamps)
+        found = {r[0] for r in rows}
+        lost = [i for i in wanted if i not in found]
+        if lost:  # a stale or missing lookup row: look everywhere
+            rows += self._rows_at(self.placer.search(lost), stamps)
+        return rows
+
+    def _rows_at(self, where: Mapping[bytes, int], stamps: bool) -> list[tuple[Any, ...]]:
+        """Rows (see ``Backend.read_bodies``) of ids whose buckets are known: one
+        query per shard, or one for all the shards that share a server and
+        login (see :func:`together`)."""
+        groups: dict[int, list[bytes]] = defaultdict(list)
+        topology = self.router.topology
+        shard_of, backends = topology.shard_of_bucket, topology.backends
+        for entity_id, bucket in where.items():
+            groups[shard_of[bucket]].append(entity_id)
+        if len(groups) == 1:
+            ((shard, only),) = groups.items()
+            return backends[shard].read_bodies(self.kind, only, stamps=stamps)
+
+        def read(job: list[int]) -> list[tuple[Any, ...]]:
+            if len(job) == 1:
+                return backends[job[0]].read_bodies(self.kind, groups[job[0]], stamps=stamps)
+            parts = [(backends[k], groups[k]) for k in job]
+            return read_bodies_together(self.kind, parts, stamps=stamps)
+
+        shards = list(groups)
+        if len(where) <= TOGETHER_MAX_IDS:
+            jobs = together(shards, backends.__getitem__)
+        else:  # too many ids for one statement
+            jobs = [[k] for k in shards]
+        rows: list[tuple[Any, ...]] = []
+        for part in self.router.map(read, jobs):
+            rows += part
+        return rows
+
+    # -- query.Source ------------------------------------------------------------------
+    def fetch_streams(self, streams: list[_Stream]) -> None:
+        """query.Source: the first page of every stream (each stream's shards
+        share one connection: see scan_streams)."""
+        if len(streams) == 1:
+            streams[0].fetch()
+        else:
+            self.router.map(_Stream.fetch, streams)
+
+    def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
+        if self.uncached():
+            decode = codec.decode
+            return {r[0]: decode(r[1]) for r in self.read_rows(ids, stamps=False)}
+        return self.cache.decoded(list(dict.fromkeys(ids)), self.fetch_many)
+
+    def scan_streams(self, plan: Plan, page: int) -> list[_Stream]:
+        topology = self.router.topology
+        backends = topology.backends
+        scans = shard_scans(
+            plan, backends, topology.shard_of_bucket, topology.buckets, topology.sole_shard
+        )
+        groups = self._scan_groups(list(scans), backends)
+        # A kind placed by the index's shard_on value (hashed, as index rows are)
+        # keeps each entity beside its index rows: joining the other databases
+        # would only add lookups that find nothing (~10 us a row on MariaDB).
+        placer = self.placer
+        beside = placer.shard_key == plan.index.shard_on and placer.directory is None
+        # With no cache level, a stream reads the bodies of its rows' entities in
+        # its own statement (LEFT JOIN with the entity tables its connection
+        # reaches), saving a second round trip: when it is the only stream, or
+        # when the entities sit beside their index rows.  Streams of several
+        # servers each read past their share of the page (see first_page), and
+        # half or more of their rows' entities live on another server.
+        join = self.uncached() and (len(groups) == 1 or beside)
+        streams = []
+        for group in groups:
+            scan = scans[group[0]]
+            if len(group) > 1:
+                scan.eq = merged_eq([scans[k].eq for k in group])
+                scan.parts = tuple(str(backends[k].schema) for k in group)
+            if join:
+                joined, schemas, reach = self._joinable(group, beside, backends)
+                scan.join_kind, scan.join = self.kind, schemas
+            else:
+                joined, reach = (), tuple(backends[k] for k in group[1:])
+            streams.append(
+                _Stream(
+                    backends[group[0]],
+                    scan,
+                    page,
+                    shards=len(group),
+                    joined=joined,
+                    reach=reach,
+                    shard_of_bucket=topology.shard_of_bucket,
+                )
+            )
+        return streams
+
+    @staticmethod
+    def _scan_groups(shards: list[int], backends: Sequence[Backend]) -> list[tuple[int, ...]]:
+        """The shards to scan, grouped so that one statement reads each group's
+        index tables (see :func:`together`), at most as many as one statement may
+        name."""
+        if len(shards) == 1:  # a query that gives its shard_on value
+            return [(shards[0],)]
+        out: list[tuple[int, ...]] = []
+        for group in together(shards, backends.__getitem__, scans=True):
+            size = backends[group[0]].max_together or len(group)
+            out += [tuple(group[n : n + size]) for n in range(0, len(group), size)]
+        return out
+
+    def _joinable(
+        self, group: tuple[int, ...], alone: bool, backends: Sequence[Backend]
+    ) -> tuple[tuple[int, ...], tuple[str | None, ...], tuple[Backend, ...]]:
+        """The shards whose entity tables a scan of ``group`` joins: ``group``
+        (its first shard is scanned on its own connection), then (unless
+        ``alone``) the other shards its connection reaches (the databases of one
+        server and login, SQLite files; as many as one statement may name);
+        their ``schema`` names (None: the first one); and the backends of all
+        but the first.  Kept until a shard is added."""
+        key = (group, alone, len(backends))
+        known = self._join_plans.get(key)
+        if known is not None:
+            return known
+        lead = backends[group[0]]
+        shards = list(group)
+        if not alone and lead.together is not None:
+            shards += [
+                k for k, b in enumerate(backends) if k not in group and b.together == lead.together
+            ]
+            # (a group is never longer than max_together: see _scan_groups)
+            shards = shards[: lead.max_together]  # the rest are read by id afterwards
+        plan = (
+            tuple(shards),
+            (None, *(backends[k].schema for k in shards[1:])),
+            tuple(backends[k] for k in shards[1:]),
+        )
+        self._join_plans[key] = plan
+        return plan
+
+
+def together(
+    items: Sequence[T], backend_of: Callable[[T], Backend], *, scans: bool = False
+) -> list[list[T]]:
+    """Items (shard numbers) grouped so that each group's shards can be read
+    in one statement (databases of one server reached with one login; with
+    ``scans``, also SQLite files, whose other reads gain nothing from it:
+    see ``Backend.union_reads``); the others alone, in order."""
+    groups: dict[Any, list[T]] = {}
+    for n, item in enumerate(items):
+        backend = backend_of(item)
+        key = backend.together if scans or backend.union_reads else None
+        groups.setdefault(key if key is not None else ("alone", n), []).append(item)
+    return list(groups.values())

@@ -1,0 +1,250 @@
+"""The write path: put and delete, top to bottom.
+
+A put, in order (docs/consistency.md tells why each step comes where it does):
+
+1. :meth:`Writes.row` validates and encodes each entity; the placer names its
+   bucket.
+2. The indexer claims its unique values (each claim a fenced statement on the
+   shard owning the value's bucket, through :meth:`Router.on_bucket`).
+3. The placer records ``id -> bucket`` for kinds placed by a shard key.
+4. The router runs one ``put_entities`` per shard (:meth:`Router.by_bucket`:
+   fenced; a refusal refreshes the topology and retries only the refused part).
+5. The cache layer learns what committed; the indexer deletes the old index
+   rows and inserts the new ones (fenced, through the router again).
+
+    >>> import bagstore, tempfile
+    >>> ds = bagstore.open(tempfile.mkdtemp())
+    >>> ds.delete(ds.put({"n": 1}))
+    True
+    >>> ds.close()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from bagstore import codec, testing
+from bagstore.backends import EntityRow, Stored
+from bagstore.errors import BackendError, BagstoreError, InvalidEntity, ShardTimeout
+from bagstore.ids import new_id
+from bagstore.indexer import Change, Claim, Indexer
+
+if TYPE_CHECKING:
+    from bagstore.backends import Backend
+    from bagstore.cache.layer import CacheLayer
+    from bagstore.index import Registry
+    from bagstore.sharding.placer import Placer
+    from bagstore.sharding.router import Router
+
+__all__ = ["Writes", "check_id"]
+
+
+def check_id(entity_id: object, error: type[BagstoreError]) -> bytes:
+    """``entity_id`` if it is 16 bytes, else ``error``."""
+    if type(entity_id) is not bytes:
+        hint = " (use bytes.fromhex)" if isinstance(entity_id, str) else ""
+        raise error(f"an id must be bytes, not {type(entity_id).__name__}{hint}")
+    if len(entity_id) != 16:
+        raise error(f"an id must be 16 bytes, got {len(entity_id)}")
+    return entity_id
+
+
+class Writes:
+    """Puts and deletes of one kind.
+
+    ``registry`` gives the kind's current indexes; ``fetch_many`` reads rows as
+    their shards hold them (for the cache's markers)."""
+
+    def __init__(
+        self,
+        kind: str,
+        router: Router,
+        placer: Placer,
+        indexer: Indexer,
+        cache: CacheLayer,
+        registry: Callable[[], Registry],
+        fetch_many: Callable[[Iterable[bytes]], dict[bytes, Stored]],
+        max_body_bytes: int,
+    ) -> None:
+        self.kind = kind
+        self.router = router
+        self.placer = placer
+        self.indexer = indexer
+        self.cache = cache
+        self.registry = registry
+        self.fetch_many = fetch_many
+        self.max_body_bytes = max_body_bytes
+        self.buckets = router.placement.buckets
+
+    def row(self, entity: object) -> tuple[EntityRow, bool]:
+        """Validate and encode one entity; returns the row and whether the id is new."""
+        if not isinstance(entity, dict):
+            raise InvalidEntity(f"an entity must be a dict, not {type(entity).__name__}")
+        fresh = "id" not in entity or entity["id"] is None
+        if fresh:
+            entity_id = new_id()
+            body = codec.encode({**entity, "id": entity_id})
+        else:
+            entity_id = check_id(entity["id"], InvalidEntity)
+            body = codec.encode(entity)
+        if len(body) > self.max_body_bytes:
+            raise InvalidEntity(
+                f"entity {entity_id.hex()} is {len(body)} bytes encoded, over the store's "
+                f"limit of {self.max_body_bytes} bytes (max_body_bytes)"
+            )
+        bucket = self.placer.entity_bucket(entity, entity_id)
+        row = EntityRow(entity_id, bucket, time.time_ns() // 1000, body)
+        return row, fresh
+
+    def put(self, entities: list[dict[str, Any]]) -> list[bytes]:
+        prepared = [self.row(e) for e in entities]
+        indexes = self.registry().maintained()
+        last: dict[bytes, tuple[EntityRow, dict[str, Any]]] = {}
+        for (row, _), entity in zip(prepared, entities, strict=True):
+            last[row.id] = (row, entity)
+        new_rows = {
+            entity_id: {i.table: i.rows_for(entity, entity_id, self.buckets) for i in indexes}
+            for entity_id, (_, entity) in last.items()
+        }
+        claimed = self.indexer.claim_all(
+            [
+                Claim(i, r)
+                for entity_id in last
+                for i in indexes
+                if i.unique
+                for r in sorted(new_rows[entity_id][i.table], key=lambda r: r.keys)
+            ]
+        )
+        # Kinds placed by a shard key: record id -> bucket first; an entity whose
+        # key moved it to another bucket is deleted from the old one afterwards.
+        prior = self.placer.locate(last) if self.placer.keyed else {}
+        moved = [(i, b) for i, b in prior.items() if b != last[i][0].bucket]
+        self.placer.record(
+            {i: row.bucket for i, (row, _) in last.items() if prior.get(i) != row.bucket}
+        )
+        self.cache.before_write(list(last))
+        testing.hit("put.before_entity")
+        # Stamped after the claims: a claim newer than its owner's `updated`
+        # marks a write still in flight (see Indexer._claim).
+        now = time.time_ns() // 1000
+        rows = [replace(row, updated=now) for row, _ in last.values()]
+        stamps: dict[bytes, int] = {}  # the `updated` of the rows replaced
+        try:
+            versions: dict[bytes, int] = {}  # new versions, for the cache's markers
+            olds = self.router.by_bucket(
+                rows,
+                lambda r: r.bucket,
+                lambda b, part: b.put_entities(
+                    self.kind, part, read_old=bool(indexes), versions=versions, stamps=stamps
+                ),
+            )
+        except Exception as exc:
+            # Some shards may have committed: give back only the claims whose
+            # entity does not hold the value now.  Not after a timeout (reading
+            # a hung shard would make the caller wait twice; the claims lapse
+            # after unique_lease), and never hiding the write's own error.
+            if claimed and not isinstance(exc, ShardTimeout):
+                with suppress(BackendError):
+                    self.indexer.release_unheld(claimed)
+            raise
+        old_bodies: dict[bytes, bytes] = {}
+        for part in olds:
+            old_bodies.update(part)
+        if moved:
+            moved_stamps: dict[bytes, int] = {}
+            gone = self.delete_at(moved, read_old=bool(indexes), stamps=moved_stamps)
+            for i, body in gone.items():
+                if body is not None and i not in old_bodies:
+                    old_bodies[i] = body
+                    stamps[i] = moved_stamps[i]
+        testing.hit("put.after_entity")
+        self.cache.puts_committed(rows, versions, self.fetch_many)
+        if indexes:
+            # A unique row this put removes goes only if claimed no later than
+            # this put's stamp (nor the replaced body's): a writer of this
+            # entity that committed after this one and regained the value
+            # re-stamps the row after its commit (Indexer.apply;
+            # docs/consistency.md, "Writers of the same entity at once").
+            made = {c.row: c.at for c in claimed}
+            changes: list[Change] = []
+            for entity_id in last:
+                body = old_bodies.get(entity_id)
+                old = codec.decode(body) if body is not None else None
+                changes += Indexer.diff(
+                    indexes,
+                    new_rows[entity_id],
+                    old,
+                    entity_id,
+                    self.buckets,
+                    stamp=now,
+                    old_stamp=stamps.get(entity_id),
+                    made=made,
+                )
+            self.indexer.apply(changes, failpoint="put.after_index_delete")
+            self.cache.rows_written(changes, claimed, self.registry())
+        for entity, (row, fresh) in zip(entities, prepared, strict=True):
+            if fresh:
+                entity["id"] = row.id
+        return [row.id for row, _ in prepared]
+
+    def delete(self, ids: list[bytes]) -> int:
+        indexes = self.registry().maintained()
+        where = {i: b for b, part in self.placer.group(ids).items() for i in part}
+        versions: dict[bytes, int] = {}
+        stamps: dict[bytes, int] = {}  # the deleted rows' `updated` (see put)
+        self.cache.before_write(list(where))
+        now = time.time_ns() // 1000  # this delete's stamp (see put's unique rows)
+        found = self.delete_at(
+            list(where.items()), read_old=bool(indexes), versions=versions, stamps=stamps
+        )
+        self.placer.forget(list(where))
+        if found:
+            testing.hit("delete.after_entity")
+        self.cache.deletes_committed(versions)
+        if indexes:
+            changes: list[Change] = []
+            for entity_id, body in found.items():
+                old = codec.decode(body) if body is not None else None
+                changes += Indexer.diff(
+                    indexes,
+                    {},
+                    old,
+                    entity_id,
+                    self.buckets,
+                    stamp=now,
+                    old_stamp=stamps.get(entity_id),
+                )
+            self.indexer.apply(changes)
+            self.cache.rows_written(changes, (), self.registry())
+        return len(found)
+
+    def delete_at(
+        self,
+        located: list[tuple[bytes, int]],
+        *,
+        read_old: bool,
+        versions: dict[bytes, int] | None = None,
+        stamps: dict[bytes, int] | None = None,
+    ) -> dict[bytes, bytes | None]:
+        """Delete ``(id, bucket)`` entities (fenced); ``{id: old body}`` of those found
+        (and their versions into ``versions``, their ``updated`` into ``stamps``,
+        if given)."""
+
+        def work(backend: Backend, part: list[tuple[bytes, int]]) -> dict[bytes, bytes | None]:
+            return backend.delete_entities(
+                self.kind,
+                [i for i, _ in part],
+                [b for _, b in part],
+                read_old=read_old,
+                versions=versions,
+                stamps=stamps,
+            )
+
+        found: dict[bytes, bytes | None] = {}
+        for part in self.router.by_bucket(located, lambda item: item[1], work):
+            found.update(part)
+        return found
