@@ -66,7 +66,7 @@ from zoneinfo import ZoneInfo
 import msgpack
 import zstandard
 
-from bagstore.errors import InvalidEntity
+from bagstore.errors import ConfigurationError, InvalidEntity
 
 #: The largest encoded body (after compression) a store accepts by default, on
 #: every backend: 8 MiB less 64 KiB.  A MariaDB/MySQL shard receives a body in a
@@ -86,6 +86,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_DEPTH",
     "ZSTD_LEVEL",
+    "body_limit",
     "decode",
     "encode",
 ]
@@ -527,3 +528,14 @@ def decode(data: bytes | bytearray | memoryview, *, checksum: bool = True) -> di
         raise InvalidEntity(f"corrupt body: holds a {_type_name(entity)}, not a dict")
     result: dict[str, Any] = entity
     return result
+
+
+def body_limit(value: object) -> int:
+    """``max_body_bytes`` checked (None: :data:`MAX_BODY_BYTES`)."""
+    if value is None:
+        return MAX_BODY_BYTES
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 10**9:
+        raise ConfigurationError(  # 10**9: SQLite's own longest value
+            f"max_body_bytes must be a number of bytes from 1 to 1000000000, not {value!r}"
+        )
+    return value

@@ -93,7 +93,7 @@ class Datastore:
         if not urls:
             raise ConfigurationError("a datastore needs at least one shard URL")
         self.kind = check_identifier(kind, "kind")
-        self.max_body_bytes = _body_limit(max_body_bytes)
+        self.max_body_bytes = codec.body_limit(max_body_bytes)
         defaults = MySQLDefaults(
             mysql_user,
             mysql_password,
@@ -479,7 +479,11 @@ class Datastore:
         SQLite files, the library's version and whether it has the WAL-reset bug."""
         counts = self._counts()
         topology = self.router.topology
-        embedded = any(b.dialect.name == "sqlite" for b in topology.backends)
+        library: dict[str, Any] = {}
+        if any(b.dialect.name == "sqlite" for b in topology.backends):
+            from bagstore.backends.sqlite import sqlite_library
+
+            library["sqlite"] = sqlite_library()
         return {
             "kind": self.kind,
             "buckets": topology.buckets,
@@ -494,7 +498,7 @@ class Datastore:
             ],
             "entities": sum(counts),
             **({"cache": self.cache_layer.status()} if self.cache_layer.cache is not None else {}),
-            **({"sqlite": _sqlite_library()} if embedded else {}),
+            **library,
         }
 
     # -- cache -----------------------------------------------------------------------
@@ -543,27 +547,6 @@ class Datastore:
 
     def __repr__(self) -> str:
         return f"<bagstore.Datastore kind={self.kind!r} shards={len(self.router.backends)}>"
-
-
-def _sqlite_library() -> dict[str, Any]:
-    """The SQLite library this process uses, and whether it has the WAL-reset
-    bug (see docs/configuration.md)."""
-    import sqlite3
-
-    from bagstore.backends.sqlite import has_wal_reset_bug
-
-    return {"version": sqlite3.sqlite_version, "wal_reset_bug": has_wal_reset_bug()}
-
-
-def _body_limit(value: object) -> int:
-    """``max_body_bytes`` checked (None: :data:`bagstore.MAX_BODY_BYTES`)."""
-    if value is None:
-        return codec.MAX_BODY_BYTES
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 10**9:
-        raise ConfigurationError(  # 10**9: SQLite's own longest value
-            f"max_body_bytes must be a number of bytes from 1 to 1000000000, not {value!r}"
-        )
-    return value
 
 
 #: FriendFeed's spelling: ``DataStore(mysql_shards=["127.0.0.1:3306", ...], indexes=[...])``.

@@ -436,3 +436,9 @@ def _is_busy(exc: BaseException | None) -> bool:
 def _fetch(conn: sqlite3.Connection, sql: str, params: Sequence[Any], one: bool) -> Any:
     cur = conn.execute(sql, params)
     return cur.fetchone() if one else cur.fetchall()
+
+
+def sqlite_library() -> dict[str, Any]:
+    """The SQLite library this process uses, and whether it has the WAL-reset
+    bug (see docs/configuration.md)."""
+    return {"version": sqlite3.sqlite_version, "wal_reset_bug": has_wal_reset_bug()}
