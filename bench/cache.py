@@ -379,7 +379,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (3 if args.quick else 5)
-    args.seconds = args.seconds or (0.1 if args.quick else 0.4)
+    args.seconds = args.seconds or (0.05 if args.quick else 0.4)
     args.mix_ops = args.mix_ops or (600 if args.quick else 4000)
     return args
 

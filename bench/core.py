@@ -207,7 +207,7 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     if args.rounds is None:
         args.rounds = 3 if args.quick else 7
     if args.seconds is None:
-        args.seconds = 0.12 if args.quick else 0.3
+        args.seconds = 0.06 if args.quick else 0.3
     if args.rounds < 1 or args.seconds <= 0:
         p.error("--rounds must be >= 1 and --seconds > 0")
     return args

@@ -8,7 +8,7 @@ Run from the repository root::
 bagstore: a 2-shard store (2 MariaDB databases on 127.0.0.1:3306, or 2 SQLite
 files) with ``Index("index_user_id", ["user_id"], shard_on="user_id")``,
 loaded with ``--rows`` FriendFeed-style entities (default 100,000;
-``--quick``: 2,000; 20 per user) by ``put_many``.  Round 1:
+``--quick``: 2,000 in 64 buckets; 20 per user) by ``put_many``.  Round 1:
 ``ds.add_shard(url)`` and ``ds.rebalance(grace=0)``, which moves a third of
 the buckets to it; later rounds move the same buckets back, then out again
 (``ds.move_buckets(..., grace=0)``), so that every round moves the same rows.
@@ -89,7 +89,7 @@ class Side:
 
 
 @contextlib.contextmanager
-def open_side(backend: str) -> Iterator[Side]:
+def open_side(backend: str, buckets: int | None = None) -> Iterator[Side]:
     from bagstore.backends.mysql import MySQLDialect
     from bagstore.backends.sqlite import SQLiteDialect
 
@@ -97,7 +97,7 @@ def open_side(backend: str) -> Iterator[Side]:
         if backend == "mysql":
             names = stack.enter_context(temp_databases(4, prefix="bst_bench_out"))
             urls = [mysql_url(n) for n in names[:2]]
-            ds = bagstore.Datastore(urls, indexes=[USER_INDEX])
+            ds = bagstore.Datastore(urls, indexes=[USER_INDEX], buckets=buckets)
 
             def connect(shard: int | None) -> Any:
                 return mysql_connect(names[3] if shard is None else ds._backends[shard].schema)
@@ -109,7 +109,7 @@ def open_side(backend: str) -> Iterator[Side]:
 
             root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bst_bench_out_"))
             store = os.path.join(root, "bag")
-            ds = bagstore.open(store, indexes=[USER_INDEX], shards=2)
+            ds = bagstore.open(store, indexes=[USER_INDEX], shards=2, buckets=buckets)
 
             def connect(shard: int | None) -> Any:
                 path = os.path.join(root, "raw.db") if shard is None else ds._backends[shard].path
@@ -316,7 +316,7 @@ def rows_for(label: str, rounds: list[Round], rate: float) -> list[Row]:
 def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
     log(f"[{backend}] {args.rows:,} entities on 2 shards, one index; writer {args.rate:,.0f}/s")
     rounds: list[Round] = []
-    with open_side(backend) as side:
+    with open_side(backend, args.buckets) as side:
         load(side, args.rows)
         home = list(side.ds.refresh_placement(force=True).shard_of_bucket)
         moved: list[int] = []
@@ -333,7 +333,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="move rounds (3; --quick 1)")
     p.add_argument("--rate", type=float, default=500.0, help="writer puts per second")
     p.add_argument("--before", type=float, default=None, help="seconds of writes before (3)")
+    p.add_argument("--buckets", type=int, default=None, help="the store's (default; --quick 64)")
     args = p.parse_args(argv)
+    if args.quick and args.buckets is None:
+        args.buckets = 64  # a move's time goes by bucket as much as by row
     args.rows = args.rows or (2_000 if args.quick else 100_000)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.before = args.before if args.before is not None else (1.0 if args.quick else 3.0)
