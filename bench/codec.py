@@ -204,13 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     ours = rates["bagstore.codec"]
     payload = len(msgpack.packb(entity, datetime=True))
     rows = [
-        Row(f"encode + decode vs {name} ({sizes[name]} bytes)", ours, rate)
+        Row(f"encode + decode vs {name}", ours, rate)
         for name, rate in rates.items()
         if name != "bagstore.codec"
     ]
     print_rows(
         f"bench.codec: encode + decode of a {payload}-byte (msgpack) entity, per second, "
-        f"median of {runs} runs (bagstore.codec: {sizes['bagstore.codec']} bytes)",
+        f"median of {runs} runs; encoded bytes: "
+        + ", ".join(f"{name} {size}" for name, size in sizes.items()),
         rows,
         fmt=args.format,
     )

@@ -519,8 +519,8 @@ def run_backend(
                 )
         rows = [result_row(r) for r in results]
         for r, row in zip(results, rows, strict=True):
-            if r.note:
-                row.metric += f" [{r.note.split(' (first')[0]}]"
+            if r.note:  # the metric's name stays the same from run to run
+                row.goal += f"; {r.note.split(' (first')[0]}"
         # 4 shards against 1 shard, both bagstore, interleaved round by round
         head = compare(
             Work("4 vs 1 shard", q4, q1, starts), env.label, rounds=rounds, seconds=seconds
