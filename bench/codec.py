@@ -14,11 +14,13 @@ encoded size.  Part 2 sweeps body sizes to show where compression starts to pay
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import functools
 import json
 import os
 import statistics
+import sys
 import time
 import zlib
 from collections.abc import Callable
@@ -28,6 +30,7 @@ import msgpack
 import zstandard
 
 from bagstore import codec
+from bench.common import Row, print_rows
 
 RUNS = 5
 RUN_SECONDS = 0.12  # each of the 5 runs of a pipeline lasts about this long
@@ -110,14 +113,14 @@ def _loop(
     return time.perf_counter() - start
 
 
-def roundtrips_per_second(pipeline: Pipeline, entity: dict[str, Any]) -> float:
+def roundtrips_per_second(pipeline: Pipeline, entity: dict[str, Any], runs: int = RUNS) -> float:
     """Median rate of RUNS runs of encode + decode, each run about RUN_SECONDS long."""
     encode, decode = pipeline
     n = 200
     while (spent := _loop(encode, decode, entity, n)) < RUN_SECONDS / 4:
         n *= 4
     n = max(1, int(n * RUN_SECONDS / spent))
-    return statistics.median(n / _loop(encode, decode, entity, n) for _ in range(RUNS))
+    return statistics.median(n / _loop(encode, decode, entity, n) for _ in range(runs))
 
 
 def _time_us(fn: Callable[[], object], n: int) -> float:
@@ -185,22 +188,37 @@ def threshold_sweep() -> None:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``python -m bench.codec``."""
+    p = argparse.ArgumentParser(description="bagstore.codec beside other pipelines")
+    p.add_argument("--quick", action="store_true", help="fewer runs, no compression sweep")
+    p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
+    args = p.parse_args(argv)
+    runs = 3 if args.quick else RUNS
     entity = friendfeed_entity()
     rates: dict[str, float] = {}
     sizes: dict[str, int] = {}
     for name, pipeline in pipelines().items():
         sizes[name] = len(pipeline[0](entity))
-        rates[name] = roundtrips_per_second(pipeline, entity)
+        rates[name] = roundtrips_per_second(pipeline, entity, runs)
     ours = rates["bagstore.codec"]
     payload = len(msgpack.packb(entity, datetime=True))
-    print(f"Encode + decode of a {payload}-byte (msgpack) FriendFeed-style entity,")
-    print(f"median of {RUNS} runs (higher is better; ratio = rate / bagstore.codec's rate)")
-    print(f"{'pipeline':<34} {'rate':>12} {'ratio':>7} {'bytes':>6}")
-    for name, rate in rates.items():
-        print(f"{name:<34} {rate:>10,.0f}/s {rate / ours:>6.2f}x {sizes[name]:>6}")
-    threshold_sweep()
+    rows = [
+        Row(f"encode + decode vs {name}", ours, rate)
+        for name, rate in rates.items()
+        if name != "bagstore.codec"
+    ]
+    print_rows(
+        f"bench.codec: encode + decode of a {payload}-byte (msgpack) entity, per second, "
+        f"median of {runs} runs; encoded bytes: "
+        + ", ".join(f"{name} {size}" for name, size in sizes.items()),
+        rows,
+        fmt=args.format,
+    )
+    if not args.quick:
+        threshold_sweep()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

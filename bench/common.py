@@ -12,6 +12,7 @@ the timed loop; the figure quoted is the median over rounds.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
@@ -32,6 +33,7 @@ __all__ = [
     "MYSQL_PORT",
     "MYSQL_USER",
     "Result",
+    "Row",
     "Work",
     "compare",
     "friendfeed_entity",
@@ -40,6 +42,7 @@ __all__ = [
     "mysql_available",
     "mysql_connect",
     "mysql_url",
+    "print_rows",
     "print_table",
     "rows_of",
     "temp_databases",
@@ -186,45 +189,80 @@ def compare(
     return Result(work.name, backend, bag, raw)
 
 
-# -- printing ------------------------------------------------------------------------
+# -- printing: one table per bench, one row per metric -----------------------------------
 
 
-def _fmt_rate(x: float) -> str:
-    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+HEADERS = ["metric", "bagstore", "raw", "ratio", "goal", "met?"]
+
+
+@dataclass
+class Row:
+    """One metric of a bench: bagstore's figure beside the raw baseline's, their
+    ratio (``bag / raw`` unless given), the goal and whether it was met."""
+
+    metric: str
+    bag: float | None
+    raw: float | None
+    ratio: float | None = None
+    goal: str = ""
+    met: bool | None = None
+    unit: str = "/s"  # how the two figures read: "/s", " ms", "x", ""
+
+    def __post_init__(self) -> None:
+        if self.ratio is None and self.bag is not None and self.raw:
+            self.ratio = self.bag / self.raw
+
+
+#: Every row printed in this process, by bench title (``python -m bench all --json``).
+RECORDED: list[tuple[str, Row]] = []
+
+
+def fmt_value(x: float | None, unit: str = "/s") -> str:
+    if x is None or x != x:
+        return "—"
+    if unit == " ms":
+        text = f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
+    elif unit == "x":
+        text = f"{x:.2f}"
+    else:
+        text = f"{x:,.0f}" if abs(x) >= 100 else f"{x:,.2f}"
+    return text + unit
 
 
 def _met(met: bool | None) -> str:
     return "—" if met is None else ("yes" if met else "NO")
 
 
-HEADERS = ["work", "backend", "bagstore ops/s", "raw ops/s", "ratio", "target", "met?"]
+def result_row(r: Result) -> Row:
+    """A :class:`Result` (rates in ``r.work``'s units per second) as a table row."""
+    return Row(f"{r.backend}: {r.work}", r.bag_rate, r.raw_rate, r.ratio, r.target, r.met)
 
 
-def table_rows(results: Sequence[Result]) -> list[list[str]]:
-    return [
+def print_rows(title: str, rows: Sequence[Row], *, fmt: str = "rich") -> None:
+    """The bench's table: metric, bagstore, raw, ratio, goal, met?"""
+    RECORDED.extend((title, r) for r in rows)
+    body = [
         [
-            r.work,
-            r.backend,
-            _fmt_rate(r.bag_rate),
-            _fmt_rate(r.raw_rate),
-            f"{r.ratio:.2f}",
-            r.target,
+            r.metric,
+            fmt_value(r.bag, r.unit),
+            fmt_value(r.raw, r.unit),
+            "—" if r.ratio is None or r.ratio != r.ratio else f"{r.ratio:.2f}",
+            r.goal,
             _met(r.met),
         ]
-        for r in results
+        for r in rows
     ]
+    print_table(title, body, fmt=fmt)
 
 
 def print_table(
     title: str,
-    results: Sequence[Result],
+    body: Sequence[Sequence[str]],
     *,
     fmt: str = "rich",
     headers: Sequence[str] = HEADERS,
-    rows: Sequence[Sequence[str]] | None = None,
 ) -> None:
-    """Print results as a rich table, a plain one, or Markdown (``fmt``)."""
-    body = [list(r) for r in rows] if rows is not None else table_rows(results)
+    """Print rows of text as a rich table, a plain one, or Markdown (``fmt``)."""
     if fmt == "rich":
         try:
             from rich.console import Console
@@ -234,7 +272,7 @@ def print_table(
         else:
             table = Table(title=title)
             for i, h in enumerate(headers):
-                table.add_column(h, justify="left" if i < 2 else "right", no_wrap=True)
+                table.add_column(h, justify="left" if i == 0 else "right", no_wrap=i > 0)
             for row in body:
                 table.add_row(*row)
             console = Console()
@@ -245,7 +283,7 @@ def print_table(
     if fmt == "markdown":
         print(f"\n**{title}**\n")
         print("| " + " | ".join(headers) + " |")
-        print("|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|")
+        print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|")
         for row in body:
             print("| " + " | ".join(row) + " |")
         print()
@@ -256,6 +294,29 @@ def print_table(
     for row in body:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
     print()
+
+
+def add_common_args(
+    p: argparse.ArgumentParser, backends: Sequence[str] = ("sqlite", "mysql")
+) -> None:
+    p.add_argument("--backend", choices=[*backends, "all"], default="all")
+    p.add_argument("--quick", action="store_true", help="a small size: a smoke run")
+    p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
+
+
+def plan(backend: str) -> list[str] | None:
+    """The backends to run for ``--backend``: MariaDB is left out, with a line
+    saying so, when it does not answer (None when it was asked for alone)."""
+    out = ["sqlite"] if backend in ("sqlite", "all") else []
+    if backend in ("mysql", "all"):
+        if mysql_available():
+            out.append("mysql")
+        elif backend == "mysql":
+            print(f"MariaDB is not reachable on {MYSQL_HOST}:{MYSQL_PORT}", file=sys.stderr)
+            return None
+        else:
+            print(f"skipped: MariaDB on {MYSQL_HOST}:{MYSQL_PORT} does not answer", file=sys.stderr)
+    return out
 
 
 # -- MariaDB -------------------------------------------------------------------------

@@ -41,7 +41,9 @@ from bench.common import (
     mysql_available,
     open_env,
     print_machine,
+    print_rows,
     print_table,
+    result_row,
 )
 
 KIND = "entities"
@@ -205,7 +207,7 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     if args.rounds is None:
         args.rounds = 3 if args.quick else 7
     if args.seconds is None:
-        args.seconds = 0.12 if args.quick else 0.3
+        args.seconds = 0.06 if args.quick else 0.3
     if args.rounds < 1 or args.seconds <= 0:
         p.error("--rounds must be >= 1 and --seconds > 0")
     return args
@@ -262,16 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         results += part
         if backend == "mysql":
             by_driver[driver] = part
-    print_table("bagstore vs raw DB-API: core operations (medians)", results, fmt=args.format)
+    print_rows(
+        f"bench.core: bagstore ({SHARDS} shards) vs raw DB-API (one database), entities/s, "
+        f"medians of {args.rounds} rounds",
+        [result_row(r) for r in results],
+        fmt=args.format,
+    )
     if len(by_driver) > 1:
         headers, rows = driver_table(by_driver)
-        print_table(
-            "MariaDB drivers (entities/s, medians)",
-            [],
-            fmt=args.format,
-            headers=headers,
-            rows=rows,
-        )
+        print_table("MariaDB drivers (entities/s, medians)", rows, fmt=args.format, headers=headers)
     for line in failed:
         print(f"FAILED {line}")
     print(f"total {time.perf_counter() - started:.0f}s", file=sys.stderr)

@@ -474,13 +474,16 @@ def seq_show(ctx: click.Context, as_json: bool) -> None:
 )
 @click.argument(
     "suite",
-    type=click.Choice(["core", "indexes", "sequences", "cache", "cleaner", "scaleout", "codec"]),
+    type=click.Choice(
+        ["all", "core", "indexes", "sequences", "cache", "cleaner", "scaleout", "codec"]
+    ),
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(suite: str, args: tuple[str, ...]) -> None:
     """Run a benchmark suite from a source checkout (its bench/ directory),
-    e.g. `bagstore bench core --backend sqlite`.  Extra arguments go to the
-    suite; `bagstore bench core --help` lists them."""
+    e.g. `bagstore bench core --backend sqlite`, or every suite at a small
+    size: `bagstore bench all --quick`.  Extra arguments go to the suite;
+    `bagstore bench core --help` lists them."""
     root = _checkout()
     code = subprocess.call([sys.executable, "-m", f"bench.{suite}", *args], cwd=root)
     raise SystemExit(code)
