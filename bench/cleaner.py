@@ -130,7 +130,8 @@ def open_side(backend: str) -> Iterator[Side]:
         else:
             root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bst_bench_cln_"))
             ds = bagstore.open(os.path.join(root, "bag"), shards=1)
-            shard = _lite(ds._backends[0].path)
+            first: Any = ds._backends[0]  # a SQLite backend: its file
+            shard = _lite(first.path)
             doc = _lite(os.path.join(root, "raw.db"))
             dialect = SQLiteDialect()
             side = Side(backend, ds, os.path.join(root, "bag"), shard, "", doc, dialect)

@@ -112,7 +112,8 @@ def open_side(backend: str, buckets: int | None = None) -> Iterator[Side]:
             ds = bagstore.open(store, indexes=[USER_INDEX], shards=2, buckets=buckets)
 
             def connect(shard: int | None) -> Any:
-                path = os.path.join(root, "raw.db") if shard is None else ds._backends[shard].path
+                backends: list[Any] = list(ds._backends)  # SQLite backends: their files
+                path = os.path.join(root, "raw.db") if shard is None else backends[shard].path
                 conn = sqlite3.connect(path, timeout=60, isolation_level=None)
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=NORMAL")
