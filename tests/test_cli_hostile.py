@@ -639,7 +639,9 @@ def _resume_command(stderr: str) -> list[str]:
 def test_ctrl_c_during_rebalance_exits_130_and_names_shard_resume(tmp_path: Path) -> None:
     store = tmp_path / "s"
     with bagstore.open(store, shards=1, buckets=16) as ds:
-        ids = ds.put_many([{"n": i} for i in range(400)])
+        # enough that the rebalance is far from done when the first move shows
+        # (at 50 entities/s, ~20 s of moves): the SIGINT cannot come after its end
+        ids = ds.put_many([{"n": i} for i in range(2000)])
         ds.add_shard(f"sqlite:///{tmp_path}/s/more.db")
 
     def moving() -> bool:
@@ -656,7 +658,7 @@ def test_ctrl_c_during_rebalance_exits_130_and_names_shard_resume(tmp_path: Path
     assert finished.returncode == 0, finished.stderr
     with bagstore.open(store) as ds:
         assert not bagstore.Mover(ds).unfinished()
-        assert [e["n"] for e in ds.get_many(ids)] == list(range(400))  # type: ignore[index]
+        assert [e["n"] for e in ds.get_many(ids)] == list(range(2000))  # type: ignore[index]
 
 
 def test_ctrl_c_during_a_backfill_names_the_same_command(tmp_path: Path) -> None:
