@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Protocol
 
+from bagstore.errors import BackendError
+
 if TYPE_CHECKING:
     from bagstore.backends.base import Backend
 
@@ -179,7 +181,7 @@ class Shared:
             if snap is None or time.monotonic() - snap[1] >= CHECK_INTERVAL:
                 try:
                     snap = self._read(cell)
-                except Exception as exc:  # the catalog is unreachable: trust nothing
+                except BackendError as exc:  # the catalog is unreachable: trust nothing
                     log.warning("cache: could not read the shared cache state (%s)", exc)
                     return None
         self._advance(cell, probe, snap)
@@ -226,7 +228,7 @@ class Shared:
                     self._take(parse(new), start)
                 else:
                     self._read(cell)
-        except Exception as exc:
+        except BackendError as exc:
             log.warning("cache: could not advance the shared cache state (%s)", exc)
         finally:
             self._advancing = False
@@ -252,7 +254,7 @@ class Shared:
                     new = f"{SUSPECT}:{state.token}"
                     if cell.swap(state.raw, new):
                         return self._take(parse(new), start)[2] + HOLD
-                except Exception as exc:
+                except BackendError as exc:
                     log.warning(
                         "cache: could not mark the cache state suspect (%s); other processes "
                         "may read entries an unconfirmed invalidation should have replaced",
