@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -789,3 +790,18 @@ class Memcached(_ManagedServer):
 
     def _bind_failed(self) -> bool:
         return "Address already in use" in _tail(self.workdir / "stderr.log")
+
+
+def spawn_python(code: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """``python -c CODE`` (dedented) in a child process that imports this
+    checkout's ``tests`` package; stdout and stderr piped as text."""
+    env = {**os.environ, **(env_extra or {})}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )

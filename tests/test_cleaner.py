@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import binascii
 import json
-import os
 import signal
-import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -252,24 +249,11 @@ def test_follow_repairs_within_seconds(topo: Topology) -> None:
         runner.join()
 
 
-def _spawn(code: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    env = {**os.environ, **(env_extra or {})}
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
 def test_backfill_killed_by_sigkill_resumes_from_checkpoint(topo: Topology) -> None:
     ds = topo.open()
     ds.put_many([{"link": f"l{i}"} for i in range(3000)])
     ds.add_index(link_idx)
-    proc = _spawn(
+    proc = servers.spawn_python(
         f"""
         import bagstore
         ds = bagstore.Datastore({topo.urls!r})
@@ -324,7 +308,7 @@ def test_writers_killed_by_sigkill_lose_no_acknowledged_write(topo: Topology) ->
                 mine.append(entity_id)
             print("P", entity_id.hex(), n, flush=True)
         """
-    procs = [_spawn(writer) for _ in range(3)]
+    procs = [servers.spawn_python(writer) for _ in range(3)]
     time.sleep(3)
     for p in procs:
         p.send_signal(signal.SIGKILL)

@@ -13,12 +13,8 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +24,7 @@ from bagstore import testing
 from bagstore.backends.buckets import FROZEN
 from bagstore.errors import DuplicateValue, KeyMigrating
 from bagstore.scaleout import Mover
+from tests import servers
 from tests.conftest import Topology
 
 link_idx = bagstore.Index(table="index_mr_link", properties=["link"])
@@ -201,19 +198,6 @@ def test_resume_after_the_placement_switched_keeps_the_targets_writes(topo: Topo
 SOAK = os.environ.get("BAGSTORE_SOAK") == "1"
 
 
-def _spawn(code: str) -> subprocess.Popen[str]:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
 def kill_rounds(topo: Topology, rounds: int, seed: int) -> Counter[str]:
     """Each round: a process moves one shard's buckets to another and is
     SIGKILLed at a random moment; a repair runs before the move is resumed;
@@ -228,7 +212,7 @@ def kill_rounds(topo: Topology, rounds: int, seed: int) -> Counter[str]:
         fresh = open_store(topo)
         source, target = (0, 1) if r % 2 == 0 else (1, 0)
         buckets = ds.catalog.read_placement().buckets_of_shard(source)[:4]
-        proc = _spawn(
+        proc = servers.spawn_python(
             f"""
             import bagstore
             from bagstore.scaleout import Mover

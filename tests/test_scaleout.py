@@ -5,10 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import tempfile
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -386,26 +383,13 @@ def test_move_is_paced_in_steps_but_not_while_frozen(
     assert (report["missing"], report["stale"]) == (0, 0), report
 
 
-def _spawn(code: str) -> subprocess.Popen[str]:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
 @pytest.mark.parametrize("ending", ["resume", "rollback"])
 def test_move_killed_by_sigkill_can_be_resumed_or_rolled_back(growth: Growth, ending: str) -> None:
     ds = growth.open(indexes=[link_idx])
     ids = ds.put_many([{"link": f"l{i}", "n": i} for i in range(2000)])
     ds.add_shard(growth.extra)
     buckets = list(range(32))  # all of shard 0's
-    proc = _spawn(
+    proc = servers.spawn_python(
         f"""
         import bagstore
         ds = bagstore.Datastore({growth.topo.urls!r})
