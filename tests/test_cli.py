@@ -7,7 +7,7 @@ import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +156,7 @@ def test_put_get_round_trip_with_bytes_and_datetimes(run: Cli) -> None:
         "published": datetime(2009, 2, 27, 1, 10, 46, 123456, tzinfo=UTC),
         "local": datetime(2009, 2, 27, 9, 0, tzinfo=timezone(timedelta(hours=8))),
         "naive": datetime(2009, 2, 27, 1, 10),
+        "day": date(2010, 6, 1),
         "nested": {"blobs": [b"\x00\xff", {"deep": b""}], "n": None},
         "big": 2**80,
         "f": 1.5,
@@ -164,6 +165,7 @@ def test_put_get_round_trip_with_bytes_and_datetimes(run: Cli) -> None:
     text = dumps_entity(entity)
     assert '{"$hex": "f48b0440ca0c4f66991c4d5f6a078eaf"}' in text
     assert '{"$datetime": "2009-02-27T01:10:46.123456+00:00"}' in text
+    assert '{"$date": "2010-06-01"}' in text
     entity_id = run.put(entity)
     assert len(entity_id) == 16
 
@@ -209,6 +211,9 @@ def test_get_of_a_missing_id_exits_1(run: Cli) -> None:
         (["put", "5"], None, "JSON object or a list"),
         (["put", '{"b": {"$hex": "xyz"}}'], None, '"$hex"'),
         (["put", '{"d": {"$datetime": "yesterday"}}'], None, "ISO-8601"),
+        (["put", '{"d": {"$date": "2010-06-01T00:00"}}'], None, "YYYY-MM-DD"),
+        (["put", '{"d": {"$date": "2010-13-01"}}'], None, "YYYY-MM-DD"),
+        (["put", '{"d": {"$date": 20100601}}'], None, "YYYY-MM-DD"),
         (["put", '{"id": "71f0c4d2291844cca2df6f486e96e37c"}'], None, '"$hex"'),
         (["put", '{"id": {"$hex": "abcd"}}'], None, "16 bytes"),
         (["put", "[1]"], None, "must be a dict"),

@@ -285,6 +285,47 @@ def test_module_doctests_pass() -> None:
     assert attempted >= 2 and failed == 0
 
 
+# ------------------------------------------------------------------------------ dates
+
+
+def test_dates_round_trip_as_dates_never_datetimes() -> None:
+    entity = {
+        "posted": dt.date(2010, 6, 1),
+        "bounds": [dt.date.min, dt.date.max],
+        "beside": {"when": dt.datetime(2010, 6, 1, 12), "day": dt.date(2010, 6, 1)},
+    }
+    back = roundtrip(entity)
+    assert_identical(back, entity)
+    assert type(back["posted"]) is dt.date and type(back["beside"]["when"]) is dt.datetime
+
+
+def test_a_date_beside_utc_datetimes_round_trips() -> None:
+    # the C Timestamp packer handles the UTC datetimes; the date still goes through EXT_DATE
+    entity = {"at": dt.datetime(2020, 1, 1, tzinfo=dt.UTC), "on": dt.date(2020, 1, 2)}
+    assert_identical(roundtrip(entity), entity)
+
+
+def test_a_date_is_packed_as_its_extension_type() -> None:
+    body = encode({"d": dt.date(2010, 6, 1)})
+    payload = msgpack.unpackb(body[1:-4], ext_hook=lambda code, data: (code, data))
+    assert payload == {"d": (codec.EXT_DATE, bytes.fromhex("07da0601"))}
+
+
+@pytest.mark.parametrize("data", [b"\x07\xda\x06", bytes.fromhex("07da0d01"), b""])
+def test_a_corrupt_date_is_refused(data: bytes) -> None:
+    payload = msgpack.packb({"d": msgpack.ExtType(codec.EXT_DATE, data)})
+    body = bytes([codec.FORMAT_MSGPACK]) + payload + zlib.crc32(payload).to_bytes(4, "little")
+    with pytest.raises(InvalidEntity, match="bad date"):
+        decode(body)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dates(), st.dates(), st.datetimes())
+def test_generated_dates_round_trip_as_dates(a: dt.date, b: dt.date, c: dt.datetime) -> None:
+    entity = {"a": a, "b": [b, c], "c": {"d": a}}
+    assert_identical(roundtrip(entity), entity)
+
+
 # ------------------------------------------------------------------------- hypothesis
 
 naive_or_aware = st.one_of(
@@ -312,6 +353,7 @@ leaves = st.one_of(
     st.text(),
     st.binary(),
     naive_or_aware,
+    st.dates(),
 )
 values = st.recursive(
     leaves,
@@ -419,12 +461,16 @@ class MyDatetime(dt.datetime):
     pass
 
 
+class MyDate(dt.date):
+    pass
+
+
 REFUSED: list[tuple[Any, str]] = [
     (("a",), "tuple (use a list)"),
     ({1, 2}, "set (use a list)"),
     (frozenset(), "frozenset (use a list)"),
     (decimal.Decimal("1.5"), "decimal.Decimal (use a str or an int)"),
-    (dt.date(2020, 1, 1), "datetime.date (use a datetime.datetime)"),
+    (MyDate(2020, 1, 1), "MyDate (a subclass of datetime.date"),
     (dt.time(12, 0), "datetime.time"),
     (dt.timedelta(seconds=1), "datetime.timedelta"),
     (object(), "type object"),
@@ -517,7 +563,7 @@ def test_deepest_allowed_nesting_round_trips() -> None:
 
 def test_encoder_is_still_usable_after_a_refusal() -> None:
     bad: Any
-    for bad in ({"t": (1,)}, {1: 2}, {"d": dt.date.today()}):
+    for bad in ({"t": (1,)}, {1: 2}, {"d": MyDate.today()}):
         with pytest.raises(InvalidEntity):
             encode(bad)
         assert decode(encode({"a": [1, 2]})) == {"a": [1, 2]}

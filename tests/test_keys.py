@@ -70,10 +70,12 @@ def type_class(v: object) -> int:
         return 1
     if isinstance(v, datetime):
         return 2 if v.utcoffset() is not None else 3
-    if isinstance(v, str):
+    if isinstance(v, date):
         return 4
+    if isinstance(v, str):
+        return 5
     assert isinstance(v, bytes)
-    return 5
+    return 6
 
 
 # --- strategies -------------------------------------------------------------
@@ -121,6 +123,7 @@ indexable = st.one_of(
     numbers,
     aware_datetimes,
     naive_datetimes,
+    st.dates(),
     all_text,
     small_text,
     st.binary(),
@@ -251,6 +254,27 @@ def test_bool_is_a_class_of_its_own() -> None:
     assert encode_value(False) != encode_value(0)
 
 
+# --- dates --------------------------------------------------------------------
+
+
+@given(st.dates(), st.dates())
+def test_dates_order_by_day(a: date, b: date) -> None:
+    assert key_cmp(a, b) == py_cmp(a, b)
+
+
+def test_date_encoding_is_its_ordinal_after_its_tag() -> None:
+    assert encode_value(date(1, 1, 1)) == bytes.fromhex("4800000001")
+    assert encode_value(date(2010, 6, 1)) == b"\x48" + date(2010, 6, 1).toordinal().to_bytes(4)
+
+
+def test_a_date_is_neither_a_datetime_nor_a_str() -> None:
+    day = date(2010, 6, 1)
+    assert encode_value(day) != encode_value(datetime(2010, 6, 1))
+    assert encode_value(datetime.max) < encode_value(date.min) < encode_value(date.max)
+    assert encode_value(date.max) < encode_value("")
+    assert range_bounds("gt", day).upper == b"\x49"  # the range stays among dates
+
+
 # --- datetimes ----------------------------------------------------------------
 
 
@@ -362,7 +386,6 @@ def test_type_class_bounds_hold_the_class(v: object) -> None:
         Fraction(1, 3),
         1j,
         object(),
-        date(2024, 1, 1),
         timedelta(1),
         bytearray(b"x"),
         memoryview(b"x"),

@@ -8,7 +8,8 @@ Every command parses its arguments, calls the library and prints the answer::
     $ bagstore query --index index_user_id user_id='{"$hex": "f48b0440ca0c4f66991c4d5f6a078eaf"}'
 
 JSON in and out (see :mod:`bagstore.cli_json`): every line printed is strict JSON;
-bytes are written ``{"$hex": "..."}``, datetimes ``{"$datetime": "ISO-8601"}``, ints
+bytes are written ``{"$hex": "..."}``, datetimes ``{"$datetime": "ISO-8601"}``,
+dates ``{"$date": "YYYY-MM-DD"}``, ints
 of over 640 digits ``{"$int": "..."}``, nan and infinities ``{"$float": "nan"}``
 (``"inf"``, ``"-inf"``), and a dict that would read as one of these ``{"$dict": {...}}``.
 Input takes the same forms, plain ints of any length, and ``NaN``/``Infinity``.
@@ -251,9 +252,9 @@ def cli(
     databases, with secondary indexes added online.
 
     JSON in and out: bytes are {"$hex": "..."}, datetimes {"$datetime": "ISO-8601"},
-    ints of over 640 digits {"$int": "..."}, NaN and infinities {"$float": "nan"}
-    ("inf", "-inf").  Exit codes: 0 done, 1 not found or problems found, 2 bad
-    input or a store error, 130 interrupted.  Start with `bagstore demo`.
+    dates {"$date": "YYYY-MM-DD"}, ints of over 640 digits {"$int": "..."}, NaN and
+    infinities {"$float": "nan"} ("inf", "-inf").  Exit codes: 0 done, 1 not found
+    or problems found, 2 bad input or a store error, 130 interrupted.  Start with `bagstore demo`.
     """
     setup_logging(ctx, verbose, quiet)
     if config is not None and store is not None:

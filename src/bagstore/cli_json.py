@@ -6,12 +6,13 @@ other JSON reader take it::
 
     bytes                      {"$hex": "00ff"}
     datetime                   {"$datetime": "2009-08-03T12:00:00+00:00"}
+    date                       {"$date": "2010-06-01"}
     int of over 640 digits     {"$int": "-1234...5678"}     (shorter ints: plain numbers)
     float nan, inf, -inf       {"$float": "nan"}, {"$float": "inf"}, {"$float": "-inf"}
     a dict that reads as a tag {"$dict": {"$hex": "not bytes"}}
 
-A *tag* is an object with exactly one key, one of ``$hex``, ``$datetime``, ``$int``,
-``$float`` and ``$dict``.  Any other object is a plain dict, including one that merely
+A *tag* is an object with exactly one key, one of ``$hex``, ``$datetime``, ``$date``,
+``$int``, ``$float`` and ``$dict``.  Any other object is a plain dict, including one that merely
 looks like a tag (``{"$int": "5", "note": "x"}``, ``{"$colour": "red"}``).  A tag with a
 bad value (``{"$hex": "xyz"}``, ``{"$int": 5}``) is an error, never read as a dict.  A
 stored dict that is itself one-key with a tag's key is printed wrapped in ``$dict``
@@ -45,7 +46,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Mapping
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 
 from bagstore.codec import MAX_DEPTH
@@ -66,7 +67,7 @@ __all__ = [
 PLAIN_INT_DIGITS = sys.int_info.str_digits_check_threshold
 """Ints of up to this many decimal digits (640) are printed as plain JSON numbers."""
 
-TAGS = frozenset({"$hex", "$datetime", "$int", "$float", "$dict"})
+TAGS = frozenset({"$hex", "$datetime", "$date", "$int", "$float", "$dict"})
 """The keys that make a one-key JSON object a tag."""
 
 _PLAIN_BOUND = 10**PLAIN_INT_DIGITS  # |value| below this: at most PLAIN_INT_DIGITS digits
@@ -177,6 +178,15 @@ def _read_datetime(value: Any) -> datetime:
         raise _tag_error("$datetime", value, 'ISO-8601, e.g. "2009-08-03T12:00:00+00:00"') from None
 
 
+def _read_date(value: Any) -> date:
+    try:
+        if isinstance(value, str) and len(value) == 10:
+            return date.fromisoformat(value)
+    except ValueError:
+        pass
+    raise _tag_error("$date", value, 'YYYY-MM-DD, e.g. "2010-06-01"')
+
+
 def _read_int(value: Any) -> int:
     if not isinstance(value, str) or not _DIGITS.fullmatch(value):
         raise _tag_error("$int", value, 'a string of decimal digits, e.g. "-1234"')
@@ -199,6 +209,7 @@ def _read_dict(value: Any) -> dict[str, Any]:
 _READERS: dict[str, Callable[[Any], Any]] = {
     "$hex": _read_hex,
     "$datetime": _read_datetime,
+    "$date": _read_date,
     "$int": _read_int,
     "$float": _read_float,
     "$dict": _read_dict,
@@ -258,7 +269,7 @@ def parse_value(text: str) -> Any:
 # -- writing -------------------------------------------------------------------------
 def jsonable(value: Any) -> Any:
     """An entity value as plain JSON data: the tagged forms above for bytes,
-    datetimes, long ints, nan/inf and tag-like dicts; everything else as is."""
+    datetimes, dates, long ints, nan/inf and tag-like dicts; everything else as is."""
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -271,6 +282,8 @@ def jsonable(value: Any) -> Any:
         return {"$hex": bytes(value).hex()}
     if isinstance(value, datetime):
         return {"$datetime": value.isoformat()}
+    if isinstance(value, date):
+        return {"$date": value.isoformat()}
     if isinstance(value, Mapping):
         out = {k: jsonable(v) for k, v in value.items()}
         if len(out) == 1 and next(iter(out)) in TAGS:

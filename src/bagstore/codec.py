@@ -2,9 +2,10 @@
 
 An entity body is a ``dict`` with ``str`` keys whose values are, recursively:
 ``str``, ``bytes``, ``int`` (any size), ``float`` (``inf``, ``nan`` and ``-0.0`` too),
-``bool``, ``None``, ``list``, ``dict`` with ``str`` keys, and ``datetime.datetime``
-(naive or aware).  Every one of them comes back exactly, with its type: a ``bool``
-stays a ``bool``, ``bytes`` stay ``bytes``.  Two conveniences are one-way:
+``bool``, ``None``, ``list``, ``dict`` with ``str`` keys, ``datetime.datetime``
+(naive or aware) and ``datetime.date``.  Every one of them comes back exactly, with
+its type: a ``bool`` stays a ``bool``, ``bytes`` stay ``bytes``, a ``date`` stays a
+``date`` (never a ``datetime``).  Two conveniences are one-way:
 
 * ``bytearray`` and C-contiguous ``memoryview`` values are stored as their bytes and
   come back as ``bytes``;
@@ -15,7 +16,7 @@ stays a ``bool``, ``bytes`` stay ``bytes``.  Two conveniences are one-way:
   other kind (pytz, dateutil, ...).  A ``tzinfo`` whose ``utcoffset`` is ``None`` is
   refused.
 
-Anything else -- ``tuple``, ``set``, ``Decimal``, ``date``, ``time``, subclasses of the
+Anything else -- ``tuple``, ``set``, ``Decimal``, ``time``, subclasses of the
 types above (``str`` subclasses, ``IntEnum``, ``OrderedDict``...), dict keys that are not
 ``str``, containers nested more than :data:`MAX_DEPTH` deep or containing themselves --
 is refused with :class:`~bagstore.errors.InvalidEntity` naming the property path and
@@ -38,7 +39,8 @@ extension types:
   ``datetime.timezone.utc`` and whose ``fold`` is 0, when every datetime of the entity
   is such (the common case: msgpack packs and unpacks these in C);
 * :data:`EXT_DATETIME` (2): any other ``datetime`` (and UTC ones in an entity that also
-  holds others): wall-clock fields, fold and time zone, see :func:`_pack_datetime`.
+  holds others): wall-clock fields, fold and time zone, see :func:`_pack_datetime`;
+* :data:`EXT_DATE` (3): a ``date``, as year (2 bytes, big-endian), month and day.
 
 Both checksums mean that a corrupt, truncated or foreign body raises ``InvalidEntity``
 rather than decoding to something else (a flipped bit that zstd ignores, such as the
@@ -60,7 +62,7 @@ import threading
 import zlib
 from datetime import UTC, date, datetime, time, timedelta, timezone, tzinfo
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 from zoneinfo import ZoneInfo
 
 import msgpack
@@ -80,6 +82,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024 - 64 * 1024
 __all__ = [
     "COMPRESS_THRESHOLD",
     "EXT_BIGINT",
+    "EXT_DATE",
     "EXT_DATETIME",
     "FORMAT_MSGPACK",
     "FORMAT_MSGPACK_ZSTD",
@@ -112,6 +115,7 @@ MAX_DEPTH = 512
 
 EXT_BIGINT = 1
 EXT_DATETIME = 2
+EXT_DATE = 3
 
 _RAW_PREFIX = bytes([FORMAT_MSGPACK])
 _ZSTD_PREFIX = bytes([FORMAT_MSGPACK_ZSTD])
@@ -121,6 +125,8 @@ _ZSTD_HEADER_MAGIC = b"\x28\xb5\x2f\xfd"
 # flags = fold | tz_kind << 1, followed by the time zone's own bytes (see _TZ_*).
 _DT = struct.Struct(">HBBBBBIB")
 _DT_SIZE = _DT.size
+# EXT_DATE payload: year, month, day.
+_DATE = struct.Struct(">HBB")
 _OFFSET = struct.Struct(">q")  # utcoffset in microseconds
 _TZ_NAIVE = 0  # nothing follows
 _TZ_UTC = 1  # nothing follows: datetime.timezone.utc
@@ -132,13 +138,12 @@ _HINTS: dict[type, str] = {
     tuple: "use a list",
     set: "use a list",
     frozenset: "use a list",
-    date: "use a datetime.datetime",
     time: "use a datetime.datetime or a str",
     timedelta: "use an int or a float, e.g. total_seconds()",
     Decimal: "use a str or an int",
     complex: "use two floats",
 }
-_STORABLE_BASES = (bool, int, float, str, bytes, bytearray, dict, list, datetime)
+_STORABLE_BASES = (bool, int, float, str, bytes, bytearray, dict, list, datetime, date)
 _SCALARS = frozenset({str, bytes, bytearray, int, float, bool, type(None)})
 
 
@@ -167,7 +172,8 @@ def _refusal(obj: object) -> str:
     if hint is None:
         for base in _STORABLE_BASES:
             if isinstance(obj, base):
-                base_name = "datetime.datetime" if base is datetime else base.__name__
+                dated = base in (datetime, date)
+                base_name = f"datetime.{base.__name__}" if dated else base.__name__
                 hint = f"a subclass of {base_name}; convert it to {base_name}"
                 break
     if hint is None:
@@ -259,6 +265,10 @@ def _default(obj: object) -> Any:
         return _tuple_new(_ExtType, (EXT_DATETIME, _pack_datetime(obj)))  # type: ignore[arg-type]
     if cls is int:  # msgpack calls default for ints beyond 64 bits
         return _tuple_new(_ExtType, (EXT_BIGINT, _int_to_bytes(obj)))  # type: ignore[arg-type]
+    if cls is date:
+        value = cast(date, obj)
+        payload = _DATE.pack(value.year, value.month, value.day)
+        return _tuple_new(_ExtType, (EXT_DATE, payload))
     raise _Refused(_refusal(obj))
 
 
@@ -304,6 +314,13 @@ def _ext_hook(code: int, data: bytes) -> object:
         return _unpack_datetime(data)
     if code == EXT_BIGINT and data:
         return int.from_bytes(data, "big", signed=True)
+    if code == EXT_DATE:
+        if len(data) != _DATE.size:
+            raise InvalidEntity(f"corrupt body: bad date ({len(data)} bytes)")
+        try:
+            return date(*_DATE.unpack(data))
+        except ValueError as exc:
+            raise InvalidEntity(f"corrupt body: bad date ({exc})") from None
     raise InvalidEntity(f"corrupt body: unknown msgpack extension type {code}")
 
 

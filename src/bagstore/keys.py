@@ -21,6 +21,7 @@ each value lives in a column of its own)::
                       20 | 05                        NaN (every NaN, one value)
     aware datetime    30 | 8 bytes: microseconds since 0001-01-01 UTC, plus one day
     naive datetime    40 | 8 bytes: microseconds since 0001-01-01 (wall clock)
+    date              48 | 4 bytes: the proleptic Gregorian ordinal (date.toordinal())
     str               50 | UTF-8 ("surrogatepass": lone surrogates are kept)
     bytes             60 | the bytes themselves
 
@@ -37,12 +38,13 @@ shorter magnitude (a smaller one) sorts *after* a longer one that extends it.
 
 Order and equality (``memcmp`` of encodings):
 
-* type classes first: bool < number < aware datetime < naive datetime < str < bytes;
+* type classes first: bool < number < aware datetime < naive datetime < date < str
+  < bytes (a ``date`` is not a ``datetime``: Python refuses to compare them);
 * within a class exactly as Python orders and compares: ``1 < 1.5 < 2``,
   ``2**63 == 9.223372036854776e18`` and ``10**30 < 1e30`` as Python says, equal
   numbers (``3``, ``3.0``) encode identically; aware datetimes by UTC instant
   (equal instants with other offsets encode equal); naive ones by wall-clock
-  fields (``fold`` ignored); str by code point; bytes bytewise.
+  fields (``fold`` ignored); dates by day; str by code point; bytes bytewise.
 
 Deviations from Python, on purpose:
 
@@ -64,7 +66,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import NamedTuple, cast
 
 from bagstore.errors import InvalidQuery
@@ -92,6 +94,7 @@ _BOOL = 0x10
 _NUMBER = 0x20
 _AWARE = 0x30
 _NAIVE = 0x40
+_DATE = 0x48
 _STR = 0x50
 _BYTES = 0x60
 _STR_TAG = bytes((_STR,))
@@ -138,7 +141,7 @@ class Bounds(NamedTuple):
 def encode_value(v: object) -> bytes:
     """The full, untruncated order-preserving encoding of one index value.
 
-    Defined for bool, int, float, datetime (naive or aware), str and bytes;
+    Defined for bool, int, float, datetime (naive or aware), date, str and bytes;
     anything else raises :class:`UnindexableValue`.
 
         >>> encode_value(True).hex(), encode_value(-0.0) == encode_value(0)
@@ -157,13 +160,15 @@ def encode_value(v: object) -> bytes:
         return _encode_float(v)
     if isinstance(v, datetime):
         return _encode_datetime(v)
+    if isinstance(v, date):
+        return bytes((_DATE,)) + v.toordinal().to_bytes(4, "big")
     if isinstance(v, str):
         return bytes((_STR,)) + v.encode("utf-8", "surrogatepass")
     if isinstance(v, bytes):
         return bytes((_BYTES,)) + v
     raise UnindexableValue(
         f"cannot index a value of type {type(v).__name__!r}: indexable types are "
-        "bool, int, float, datetime, str and bytes"
+        "bool, int, float, datetime, date, str and bytes"
     )
 
 
