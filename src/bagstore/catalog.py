@@ -196,6 +196,11 @@ class Catalog:
     def kinds(self) -> list[str]:
         return sorted(str(k) for (k,) in self.backend.select_all("bagstore_kinds", ("kind",)))
 
+    def global_kinds(self) -> set[str]:
+        """Kinds kept in one database (``shard_map='global'``), out of every bucket move."""
+        rows = self.backend.select_all("bagstore_kinds", ("kind",), {"shard_map": "global"})
+        return {str(k) for (k,) in rows}
+
     # -- moves -----------------------------------------------------------------------
     def moves(self) -> dict[int, tuple[int, int, str]]:
         """``{bucket: (source, target, phase)}`` of unfinished moves."""

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["load_config", "read_config"]
 
 _KNOWN = {
-    "path", "shards", "catalog", "buckets", "kind", "shard_key", "shard_map", "index", "mysql_user",
-    "mysql_password", "mysql_database", "sqlite_synchronous", "sequence_servers",
+    "path", "shards", "catalog", "buckets", "kind", "shard_key", "shard_map", "global_at", "index",
+    "mysql_user", "mysql_password", "mysql_database", "sqlite_synchronous", "sequence_servers",
     "connect_timeout", "read_timeout", "write_timeout", "bulk_timeout", "max_body_bytes",
 }  # fmt: skip
 
@@ -102,7 +102,7 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Datastore:
     indexes = indexes_from_config(section)
     options: dict[str, Any] = {
         k: section[k]
-        for k in ("catalog", "buckets", "kind", "shard_key", "shard_map", "mysql_user",
+        for k in ("catalog", "buckets", "kind", "shard_key", "shard_map", "global_at", "mysql_user",
                   "mysql_password", "mysql_database", "sqlite_synchronous", "sequence_servers",
                   "connect_timeout", "read_timeout", "write_timeout", "bulk_timeout",
                   "max_body_bytes")

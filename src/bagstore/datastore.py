@@ -33,6 +33,7 @@ from bagstore.names import check_new_kind
 from bagstore.queries import Queries
 from bagstore.query import QueryResult
 from bagstore.reads import Reads
+from bagstore.sharding.home import check_global, pin_home
 from bagstore.sharding.placer import Placer
 from bagstore.sharding.router import Router
 from bagstore.sharding.topology import ShardOpener
@@ -48,7 +49,9 @@ class Datastore:
 
     ``shards`` is a list of URLs (``sqlite:///...``, ``mysql://...``, or
     ``host:port``); ``catalog`` an optional URL for the metadata (default: the
-    first shard); ``kind`` the entities table this object reads and writes.
+    first shard); ``kind`` the entities table this object reads and writes;
+    ``shard_map="global"`` keeps the kind in one database (``global_at``, by
+    default one beside the catalog's: see docs/tables.md).
     ``max_body_bytes`` (default :data:`bagstore.MAX_BODY_BYTES`) is the largest
     encoded body ``put`` accepts, the same on every backend.
     A Datastore is safe to share between threads.
@@ -78,6 +81,7 @@ class Datastore:
         unique_lease: float = 2.0,
         shard_key: str | None = None,
         shard_map: str = "hash",
+        global_at: str | None = None,
         sequence_servers: Sequence[str] | None = None,
         freeze_wait: float = 5.0,
         cache: object = None,
@@ -141,6 +145,7 @@ class Datastore:
                 self.catalog.set_meta("owned_init", "1")
             if shard_key is not None:
                 check_identifier(shard_key, "shard_key")
+            check_global(shard_map, shard_key, global_at)
             known = self.catalog.kinds()
             if self.kind not in known:  # a new kind: its name must be free (bagstore.names)
                 check_new_kind(self.kind, known, IndexCatalog(catalog_backend).all_entries())
@@ -150,12 +155,14 @@ class Datastore:
                     f"kind {self.kind!r} is placed by {recorded[0] or 'id'!r} "
                     f"({recorded[1]} map), not by {shard_key or 'id'!r} ({shard_map} map)"
                 )
-            self.router.on_all(lambda b: b.ensure_kind(self.kind))
             for b in backends:
                 ensure_limits = getattr(b, "ensure_limits", None)
                 if ensure_limits is not None:
                     ensure_limits()
                     self.check_body_capacity(b)
+            if shard_map == "global":  # one database, not sharded (docs/tables.md)
+                pin_home(self.router, self.kind, global_at, self.max_body_bytes)
+            self.router.on_all(lambda b: b.ensure_kind(self.kind))
         except BaseException:
             self.close()
             raise

@@ -129,6 +129,11 @@ class Mover:
         on_step: Callable[[str, int], None] | None = None,
     ) -> None:
         check_pacing(batch, duty, max_rate)
+        if ds.router.pinned:
+            raise ConfigurationError(
+                f"kind {ds.kind!r} is global (one database, never moved): move buckets "
+                "through a datastore of a sharded kind of the store"
+            )
         if grace is not None and (
             not isinstance(grace, int | float) or isinstance(grace, bool) or grace < 0
         ):
@@ -195,12 +200,14 @@ class Mover:
         for index in layout.indexes:
             backend.ensure_index_table(index.table, index.properties, index.unique)
 
-    def _indexes(self) -> list[Index]:
-        return [Index.from_json(d) for _, _, d, _ in self.index_catalog.all_entries()]
-
     def _layout(self) -> _Layout:
-        """The kinds and indexes whose rows a bucket holds, as the catalog says now."""
-        return _Layout(tuple(self.ds.catalog.kinds()), tuple(self._indexes()))
+        """The kinds and indexes whose rows a bucket holds, as the catalog says now
+        (global kinds' are in their own database: see bagstore.sharding.home)."""
+        unmoved = self.ds.catalog.global_kinds()
+        kinds = tuple(k for k in self.ds.catalog.kinds() if k not in unmoved)
+        entries = self.index_catalog.all_entries()
+        indexes = tuple(Index.from_json(d) for _, k, d, _ in entries if k not in unmoved)
+        return _Layout(kinds, indexes)
 
     def _ready(self, dst: Backend, layout: _Layout) -> None:
         """``dst`` has the tables of ``layout`` (created once per move and layout)."""

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SHARD_MAPS", "Placer"]
 
-SHARD_MAPS = ("hash", "directory")
+SHARD_MAPS = ("hash", "directory", "global")
 _CACHE = 100_000
 
 

@@ -112,6 +112,8 @@ class Router:
         #: how this process learned of bucket moves (see ``Datastore.stats()``)
         self._counts = {"refused": 0, "frozen_waits": 0, "full_reads": 0, "bucket_reads": 0}
         self.topology = Topology(placement, tuple(backends))
+        #: set by :meth:`pin`: every bucket is on one backend for good (a global kind)
+        self.pinned = False
         self.parallel = self._fan_out()
         #: when the placement's version was last compared with the catalog's
         self.checked_at = time.monotonic()
@@ -148,9 +150,28 @@ class Router:
             backends = self.topology.backends
         self.topology = Topology(placement, backends)
 
+    def pin(self, backend: Backend) -> list[Backend]:
+        """Route every bucket to ``backend`` from now on, whatever the catalog's
+        placement says or comes to say (a global kind, stored in one place:
+        docs/tables.md); return the shards' backends no longer used (the
+        catalog's excepted), for the caller to close."""
+        with self._lock:
+            old = self.topology
+            placement = replace(
+                old.placement, shard_names=(backend.name,), shard_of_bucket=(0,) * old.buckets
+            )
+            self.topology = Topology(placement, (backend,))
+            self.pinned = True
+            self.parallel = False
+        keep = {id(backend), id(self.catalog.backend)}
+        return [b for b in {id(b): b for b in old.backends}.values() if id(b) not in keep]
+
     def refresh(self, *, force: bool = False) -> Placement:
         """Re-read the bucket placement if the catalog's version moved (at most
         every ``refresh_interval`` seconds unless forced)."""
+        if self.pinned:  # bucket moves never concern a pinned router
+            self.checked_at = time.monotonic()
+            return self.topology.placement
         if not force and time.monotonic() - self.checked_at < self.refresh_interval:
             return self.topology.placement
         with self._lock:
@@ -191,6 +212,12 @@ class Router:
         shard this process has not opened).  The version is left as it was, so
         the next timed refresh still reads the whole placement."""
         wanted = sorted(set(buckets))
+        if self.pinned:  # no placement to learn: the one database must own them all
+            raise StalePlacement(
+                f"{self.topology.backends[0].name} refused bucket(s) {wanted[:16]}: it does not "
+                "hold them as this global kind's database",
+                buckets=tuple(wanted),
+            )
         self.count("refused")
         log.info(
             "a shard refused a write to bucket(s) %s: this process's placement was out of "
@@ -207,6 +234,8 @@ class Router:
         """Take ``{bucket: shard}`` read from the catalog into this process's
         placement (its version unchanged); False, changing nothing, if no bucket
         moved or one names a shard this process has not opened."""
+        if self.pinned:
+            return False
         with self._lock:
             topology = self.topology
             placement = topology.placement
