@@ -18,8 +18,9 @@ import bagstore
 
 PACKAGE = Path(bagstore.__file__).parent
 
-#: Modules above the facade: they may import it at run time.
-ABOVE = {"__init__.py", "__main__.py", "config.py", "datastore.py"}
+#: Modules above the facade: they may import it at run time (typed tables are
+#: a layer over a datastore: they use its public methods only).
+ABOVE = {"__init__.py", "__main__.py", "config.py", "datastore.py", "tables.py"}
 
 #: Names that hold the facade in the package's modules (besides parameters
 #: annotated ``Datastore``).

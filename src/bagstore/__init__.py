@@ -37,6 +37,7 @@ from bagstore.ids import new_id
 from bagstore.index import Index
 from bagstore.query import QueryResult
 from bagstore.scaleout import Mover, MoveStats
+from bagstore.tables import Model, RowMissing, Rows, Table, auto_id
 
 __version__ = "0.1.0"
 
@@ -60,15 +61,20 @@ __all__ = [
     "InvalidEntity",
     "InvalidQuery",
     "KeyMigrating",
+    "Model",
     "MoveStats",
     "Mover",
     "NoIndexForQuery",
     "QueryResult",
     "Retryable",
+    "RowMissing",
+    "Rows",
     "ShardTimeout",
     "ShardUnavailable",
     "StalePlacement",
+    "Table",
     "__version__",
+    "auto_id",
     "new_id",
     "open",
     "testing",
