@@ -36,7 +36,8 @@ def test_the_readme_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     for _ in range(2):
         exec(compile("\n".join(blocks), str(README), "exec"), {})
     made = sorted(p.name for p in tmp_path.iterdir())
-    assert len(made) == 2 and all(p.startswith("tmp") for p in made), made
+    stores = sum(b.count("tempfile.mkdtemp()") for b in blocks)  # per run
+    assert len(made) == 2 * stores and all(p.startswith("tmp") for p in made), made
 
 
 def test_the_readme_mariadb_examples_run(

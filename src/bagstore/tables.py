@@ -43,6 +43,7 @@ nowhere else.
 from __future__ import annotations
 
 import copy
+import sys
 import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import date, datetime
@@ -99,17 +100,19 @@ def pk_of_id(entity_id: bytes) -> int | None:
 class _AutoId:
     """The marker :func:`auto_id` returns."""
 
-    def __init__(self, sequence: str | None, block: int) -> None:
+    def __init__(self, sequence: str | None, block: int, start: int) -> None:
         self.sequence = sequence
         self.block = block
+        self.start = start
 
 
-def auto_id(*, sequence: str | None = None, block: int = 1000) -> Any:
+def auto_id(*, sequence: str | None = None, block: int = 1000, start: int = 1) -> Any:
     """Mark the integer primary key: drawn from the store's sequence
-    ``sequence`` (default: the kind's name) on insert, ``block`` ids reserved
-    per round trip (:meth:`bagstore.Datastore.sequence`): unique across
-    processes, increasing within one."""
-    return _AutoId(sequence, block)
+    ``sequence`` (default: the kind's name; ``start``: its first id when new)
+    on insert, ``block`` ids reserved per round trip
+    (:meth:`bagstore.Datastore.sequence`): unique across processes,
+    increasing within one."""
+    return _AutoId(sequence, block, start)
 
 
 class _Field:
@@ -156,7 +159,7 @@ class Model:
     ) -> None:
         super().__init_subclass__(**kwargs)
         name = cls.__name__
-        hints = typing.get_type_hints(cls)
+        hints = _own_hints(cls, sys._getframe(1))
         fields: dict[str, _Field] = {}
         pk: str | None = None
         for field_name, annotation in hints.items():
@@ -310,6 +313,26 @@ class Model:
             raise
 
 
+def _own_hints(cls: type, frame: Any) -> dict[str, Any]:
+    """The class's own annotations, evaluated where the class statement ran
+    (strings under ``from __future__ import annotations`` too)."""
+    module = sys.modules.get(cls.__module__)
+    scope = dict(vars(module)) if module is not None else {}
+    scope.update(frame.f_globals)
+    local = dict(frame.f_locals)
+    out: dict[str, Any] = {}
+    for name, annotation in cls.__dict__.get("__annotations__", {}).items():
+        if isinstance(annotation, str):
+            try:
+                annotation = eval(annotation, scope, local)  # what typing.get_type_hints does
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"{cls.__name__}.{name}: cannot read its type {annotation!r} ({exc})"
+                ) from None
+        out[name] = annotation
+    return out
+
+
 class _NoDefault:
     def __repr__(self) -> str:
         return "<required>"
@@ -415,7 +438,9 @@ class Table(Generic[M]):
         self.ds = ds
         self._owned = owned
         auto = model.__auto__
-        self.sequence = ds.sequence(auto.sequence or model.__kind__, block=auto.block)
+        self.sequence = ds.sequence(
+            auto.sequence or model.__kind__, block=auto.block, start=auto.start
+        )
         self._fields = model.__fields__
         self._pk = model.__pk__
         self._shard_key = model.__shard_key__
