@@ -165,7 +165,7 @@ def test_unknown_and_missing_fields_are_refused_and_nothing_stored(
 ) -> None:
     with pytest.raises(InvalidEntity, match="Photo: unknown field 'titel'"):
         Photo(user_id=1, titel="typo")
-    with pytest.raises(InvalidEntity, match="Photo.user_id: required field missing"):
+    with pytest.raises(InvalidEntity, match=r"Photo\.user_id: required field missing"):
         Photo(title="no user")
     row = Photo(user_id=1)
     row.titel = "typo"  # type: ignore[attr-defined]
@@ -173,7 +173,7 @@ def test_unknown_and_missing_fields_are_refused_and_nothing_stored(
         photos.insert(row)
     row = Photo(user_id=1)
     del row.user_id
-    with pytest.raises(InvalidEntity, match="Photo.user_id: required field missing"):
+    with pytest.raises(InvalidEntity, match=r"Photo\.user_id: required field missing"):
         photos.insert(row)
     assert photos.ds.count() == 0
     with pytest.raises(InvalidEntity, match="Photo rows"):
@@ -184,7 +184,7 @@ def test_a_bad_update_changes_nothing(photos: bagstore.Table[Photo]) -> None:
     row = photos.insert(Photo(user_id=1, title="kept"))
     assert row.pk is not None
     row.title = 42  # type: ignore[assignment]
-    with pytest.raises(InvalidEntity, match="Photo.title: expected str"):
+    with pytest.raises(InvalidEntity, match=r"Photo\.title: expected str"):
         photos.update(row)
     assert photos.load(1, row.pk).title == "kept"  # type: ignore[union-attr]
 

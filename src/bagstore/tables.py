@@ -43,6 +43,7 @@ nowhere else.
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -321,7 +322,7 @@ def _own_hints(cls: type, frame: Any) -> dict[str, Any]:
     scope.update(frame.f_globals)
     local = dict(frame.f_locals)
     out: dict[str, Any] = {}
-    for name, annotation in cls.__dict__.get("__annotations__", {}).items():
+    for name, annotation in inspect.get_annotations(cls).items():
         if isinstance(annotation, str):
             try:
                 annotation = eval(annotation, scope, local)  # what typing.get_type_hints does
