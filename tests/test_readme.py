@@ -97,7 +97,7 @@ def test_the_readme_toml_is_the_configuration_it_describes(tmp_path: Path) -> No
     ]
 
 
-@pytest.mark.parametrize("name", ["consistency.md", "ids.md", "cleaner.md"])
+@pytest.mark.parametrize("name", ["consistency.md", "ids.md", "cleaner.md", "tables.md"])
 def test_the_examples_in_docs_run(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
