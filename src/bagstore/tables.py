@@ -42,7 +42,6 @@ nowhere else.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import sys
 import typing
@@ -127,7 +126,7 @@ class _Field:
         self.mutable = type(default) in (list, dict)
 
     def fill(self) -> Any:
-        return copy.deepcopy(self.default) if self.mutable else self.default
+        return _copy(self.default) if self.mutable else self.default
 
 
 class Model:
@@ -228,7 +227,7 @@ class Model:
         for name, f in cls.__fields__.items():
             if name in body:
                 value = body[name]
-                values[name] = copy.deepcopy(value) if type(value) in (list, dict) else value
+                values[name] = _copy(value) if type(value) in (list, dict) else value
             elif f.required:
                 raise InvalidEntity(
                     f"{cls.__name__}: stored entity {body.get('id', b'').hex()} has no "
@@ -445,6 +444,7 @@ class Table(Generic[M]):
         self._fields = model.__fields__
         self._pk = model.__pk__
         self._shard_key = model.__shard_key__
+        self._hashed: dict[tuple[type, Any], int] = {}
         for spec in model.__index_specs__:
             index = _index_of(model, spec)
             if index.table not in ds.indexes():
@@ -456,12 +456,22 @@ class Table(Generic[M]):
         return self.model(**values)
 
     def _bucket(self, key_value: object) -> int | None:
-        """The bucket of a shard key value (None: the directory knows no such key)."""
+        """The bucket of a shard key value (None: the directory knows no such key).
+        A hashed key's bucket never changes (the bucket count is fixed): kept."""
+        cached = type(key_value) in _INDEXABLE
+        known = self._hashed.get((type(key_value), key_value)) if cached else None
+        if known is not None:
+            return known
         try:
             encoded = keys.encode_value(key_value)
         except keys.UnindexableValue as exc:
             raise InvalidQuery(f"shard key {self._shard_key!r}: {exc}") from None
-        return self.ds.placer.bucket_of_key(encoded, for_write=False)
+        bucket = self.ds.placer.bucket_of_key(encoded, for_write=False)
+        if cached and self.ds.placer.directory is None and bucket is not None:
+            if len(self._hashed) >= 100_000:
+                self._hashed.clear()
+            self._hashed[(type(key_value), key_value)] = bucket
+        return bucket
 
     def _where(self, args: tuple[Any, ...]) -> tuple[bytes, int | None, Any]:
         """``(id, bucket, shard key value)`` of ``load``'s arguments."""
@@ -594,6 +604,14 @@ class Table(Generic[M]):
         return f"<bagstore.Table {self.model.__name__} kind={self.model.__kind__!r}>"
 
 
+def _copy(value: Any) -> Any:
+    """A copy of a list or dict of stored values, nested ones copied too (the
+    scalars a body holds are immutable)."""
+    if type(value) is list:
+        return [_copy(v) if type(v) in (list, dict) else v for v in value]
+    return {k: _copy(v) if type(v) in (list, dict) else v for k, v in value.items()}
+
+
 def _identical(a: Any, b: Any) -> bool:
     """Equal with the same types (``1`` is not ``True``, nor ``1.0``)."""
     return type(a) is type(b) and a == b
@@ -601,6 +619,8 @@ def _identical(a: Any, b: Any) -> bool:
 
 def _same(a: Any, b: Any) -> bool:
     """Equal as the indexes compare (a shard key value)."""
+    if type(a) is type(b) and type(a) in (int, str, bytes):
+        return bool(a == b)  # these compare as their encodings do
     try:
         return keys.encode_value(a) == keys.encode_value(b)
     except keys.UnindexableValue:
