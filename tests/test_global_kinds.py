@@ -189,3 +189,27 @@ def test_a_typed_global_table(gtopo: Topology) -> None:
 
     with pytest.raises(ConfigurationError, match="placed by 'id'; kind 'users3' of this"):
         bagstore.Table(Sharded, gtopo.open(kind="users3", shard_map="global"))
+
+
+def test_the_command_line_works_on_a_global_kind_by_its_config(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from bagstore.cli import cli
+
+    config = tmp_path / "users.toml"
+    config.write_text(
+        '[bagstore]\npath = "store"\nshards = 2\nkind = "users"\nshard_map = "global"\n'
+    )
+    runner = CliRunner()
+    put = runner.invoke(cli, ["--config", str(config), "put", '{"name": "ann"}'])
+    assert put.exit_code == 0, put.output
+    entity_id = put.stdout.strip()
+    got = runner.invoke(cli, ["--config", str(config), "get", entity_id])
+    assert got.exit_code == 0 and '"name": "ann"' in got.stdout
+    status = runner.invoke(cli, ["--config", str(config), "status", "--json"])
+    assert status.exit_code == 0 and '"entities": 1' in status.stdout
+    assert (tmp_path / "store" / "global.db").exists()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[bagstore]\npath = "store"\nkind = "users"\n')  # placed otherwise
+    result = runner.invoke(cli, ["--config", str(bad), "get", entity_id])
+    assert result.exit_code == 2 and "error:" in result.stderr and "global map" in result.stderr
