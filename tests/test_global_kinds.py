@@ -213,3 +213,14 @@ def test_the_command_line_works_on_a_global_kind_by_its_config(tmp_path: Path) -
     bad.write_text('[bagstore]\npath = "store"\nkind = "users"\n')  # placed otherwise
     result = runner.invoke(cli, ["--config", str(bad), "get", entity_id])
     assert result.exit_code == 2 and "error:" in result.stderr and "global map" in result.stderr
+
+
+def test_an_index_added_later_to_a_global_kind_is_backfilled_there(gtopo: Topology) -> None:
+    users = gtopo.open(kind="users", shard_map="global")
+    users.put_many([{"name": f"u{i}", "age": i} for i in range(30)])
+    by_age = bagstore.Index("users_by_age", ["age"])
+    assert users.add_index(by_age) == "building"
+    stats = bagstore.Cleaner(users, settle=0).backfill("users_by_age")
+    assert stats.written == 30 and users.indexes()["users_by_age"][1] == "ready"
+    assert [e["name"] for e in users.query(age__gte=28)] == ["u28", "u29"]
+    assert users.check()["missing"] == 0 and users.check()["stale"] == 0

@@ -323,3 +323,42 @@ def test_keys_are_unique_across_processes_and_increasing_in_each(topo: Topology)
         assert keys == sorted(keys) and len(set(keys)) == 300
     assert not set(runs[0]) & set(runs[1])
     assert ds.count() == 600
+
+
+def test_changing_the_shard_key_moves_the_row(photos: bagstore.Table[Photo]) -> None:
+    row = photos.insert(Photo(user_id=1, title="mine", posted_date=date(2010, 1, 1)))
+    assert row.pk is not None
+    row.user_id = 2
+    assert photos.update(row)
+    assert photos.load(1, row.pk) is None
+    moved = photos.load(2, row.pk)
+    assert moved is not None and moved.title == "mine"
+    assert [p.pk for p in photos.fetch(user_id=2)] == [row.pk] and not photos.fetch(user_id=1)
+    assert photos.ds.bucket_of_id(id_of_pk(row.pk)) == photos._bucket(2)
+    moved.title = "again"  # a loaded row: conditional on its version, read on user 2's shard
+    assert photos.update(moved) and photos.load(2, row.pk).title == "again"  # type: ignore[union-attr]
+
+
+class Post(bagstore.Model, kind="dposts", shard_key="author", indexes=[("author", "n")]):
+    post_id: int = bagstore.auto_id(sequence="posts_seq", block=10, start=500)
+    author: str
+    n: int = 0
+
+
+def test_a_table_over_the_directory_shard_map(topo: Topology) -> None:
+    posts = bagstore.Table(
+        Post, topo.open(kind="dposts", shard_key="author", shard_map="directory")
+    )
+    rows = [posts.insert(Post(author=a, n=i)) for i, a in enumerate(["ann", "bob", "ann"])]
+    assert [r.post_id for r in rows] == [500, 501, 502]  # the sequence's start
+    assert posts.load("ann", 502) == rows[2]
+    assert posts.load("zed", 502) is None  # a key the directory does not know: no shard is read
+    assert [p.n for p in posts.fetch(author="ann")] == [0, 2]
+    moved = posts.ds.migrate_key(
+        "ann",
+        (posts.ds.placer.bucket_of_key(bagstore.keys.encode_value("ann"), for_write=False) or 0)
+        + 1,
+        wait=0,
+    )
+    assert moved == 2
+    assert posts.load("ann", 500) == rows[0]  # found in the key's new bucket
