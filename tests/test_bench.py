@@ -121,3 +121,18 @@ def test_python_dash_m_bench_without_a_suite_says_how(capsys: pytest.CaptureFixt
     finally:
         sys.argv = saved
     assert "usage: python -m bench {all," in capsys.readouterr().err
+
+
+def test_tables_baselines_read_what_load_reads() -> None:
+    """bench.tables: ds.get and the raw SELECT read the very row load reads."""
+    from bench import tables
+
+    with tables._tables("sqlite") as (photos, raw):
+        row = photos.insert(tables.Photo(user_id=3, title="t", tags=["a"]))
+        assert row.pk is not None
+        loaded = photos.load(3, row.pk)
+        assert loaded is not None
+        entity_id = tables.id_of_pk(row.pk)
+        body, version = raw(entity_id)
+        assert body == photos.ds.get(entity_id) == {**loaded.as_dict(), "id": entity_id}
+        assert version == loaded._version == 1

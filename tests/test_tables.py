@@ -226,6 +226,11 @@ def test_bad_declarations_are_configuration_errors() -> None:
         class BadIndex(bagstore.Model, kind="badindex", indexes=[("nope",)]):
             key: int = bagstore.auto_id()
 
+    with pytest.raises(ConfigurationError, match=r"unknown table option\(s\) \['shardkey'\]"):
+
+        class Typo(bagstore.Model, kind="typo", shardkey="a"):  # type: ignore[call-arg]
+            key: int = bagstore.auto_id()
+
 
 def test_a_table_refuses_a_datastore_of_another_kind_or_placement(topo: Topology) -> None:
     with pytest.raises(ConfigurationError, match="kind 'photos'"):

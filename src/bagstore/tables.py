@@ -45,7 +45,7 @@ from __future__ import annotations
 import inspect
 import sys
 import typing
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import date, datetime
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
@@ -157,7 +157,12 @@ class Model:
         indexes: Iterable[Any] = (),
         **kwargs: Any,
     ) -> None:
-        super().__init_subclass__(**kwargs)
+        if kwargs:
+            raise ConfigurationError(
+                f"{cls.__name__}: unknown table option(s) {sorted(kwargs)} (kind, shard_key, "
+                "global_kind, isolate_key, indexes)"
+            )
+        super().__init_subclass__()
         name = cls.__name__
         hints = _own_hints(cls, sys._getframe(1))
         fields: dict[str, _Field] = {}
@@ -570,9 +575,6 @@ class Table(Generic[M]):
                 raise InvalidQuery(_unknown(self.model, name))
         found = self.ds.query(order=order, limit=limit, cursor=cursor, **filters)
         return Rows((self.model._from_body(e, None) for e in found), found.cursor)
-
-    def __iter__(self) -> Iterator[M]:
-        raise TypeError("iterate over table.fetch(...) instead")
 
     # -- helpers ---------------------------------------------------------------------
     def _check_model(self, row: object) -> None:
