@@ -9,6 +9,8 @@ from datetime import UTC, date, datetime
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import bagstore
 from bagstore.backends import Backend
@@ -367,3 +369,57 @@ def test_a_table_over_the_directory_shard_map(topo: Topology) -> None:
     )
     assert moved == 2
     assert posts.load("ann", 500) == rows[0]  # found in the key's new bucket
+
+
+def test_the_modules_doctests_pass() -> None:
+    import doctest
+
+    from bagstore import fields, models, tables
+    from bagstore.sharding import home
+
+    for module in (tables, models, fields, home):
+        failed, attempted = doctest.testmod(module)
+        assert failed == 0 and (attempted > 0 or module is home)
+
+
+class Sample(bagstore.Model, kind="samples"):
+    key: int = bagstore.auto_id()
+    n: int
+    s: str
+    b: bytes
+    f: float
+    flag: bool
+    day: date | None
+    at: datetime
+    items: list[int]
+    extra: dict[str, Any]
+
+
+samples = st.builds(
+    lambda **kw: Sample(**kw),
+    n=st.integers(min_value=-(2**70), max_value=2**70),
+    s=st.text(max_size=20),
+    b=st.binary(max_size=20),
+    f=st.floats(allow_nan=False),
+    flag=st.booleans(),
+    day=st.none() | st.dates(),
+    at=st.datetimes() | st.datetimes(timezones=st.just(UTC)),
+    items=st.lists(st.integers(), max_size=5),
+    extra=st.dictionaries(st.text(max_size=5), st.none() | st.integers() | st.dates(), max_size=3),
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(rows=st.lists(samples, min_size=1, max_size=4))
+def test_generated_rows_round_trip_with_their_types(
+    tmp_path_factory: Any, rows: list[Sample]
+) -> None:
+    with Sample.open(tmp_path_factory.mktemp("samples"), shards=2) as table:
+        for row in rows:
+            table.insert(row)
+            back = table.load(row.pk)
+            assert back is not None and back.as_dict() == row.as_dict()
+            for name, value in row.as_dict().items():
+                assert type(getattr(back, name)) is type(value), name
