@@ -704,6 +704,7 @@ class MariaDBServer(_ManagedServer):
         # so it runs once per process and every server starts from a copy.
         template = _mariadb_template(self.install_db, self._os_user(), self.INNODB_OPTIONS)
         shutil.copytree(template, workdir / "data", symlinks=True)
+        (workdir / "tmp").mkdir()
 
     def _command(self) -> list[str]:
         workdir = self.workdir
@@ -717,6 +718,8 @@ class MariaDBServer(_ManagedServer):
             f"--bind-address={self.host}",
             f"--pid-file={workdir / 'mariadbd.pid'}",
             f"--log-error={workdir / 'error.log'}",
+            # Its own temporary files: never beside the machine's server's in /tmp.
+            f"--tmpdir={workdir / 'tmp'}",
             *self.INNODB_OPTIONS,
             *self.SERVER_OPTIONS,
             *self.extra_options,
