@@ -34,6 +34,7 @@ from bagstore.queries import Queries
 from bagstore.query import QueryResult
 from bagstore.reads import Reads
 from bagstore.sharding.placer import Placer
+from bagstore.sharding.replicas import Replication
 from bagstore.sharding.router import Router
 from bagstore.sharding.topology import ShardOpener
 from bagstore.writes import Writes, check_id
@@ -82,6 +83,8 @@ class Datastore:
         freeze_wait: float = 5.0,
         cache: object = None,
         cache_prefix: str | None = None,
+        read_from: str = "primary",
+        max_lag: float | None = None,
         _shard_names: Sequence[str] | None = None,
         _root: str | None = None,
     ) -> None:
@@ -106,7 +109,8 @@ class Datastore:
                 "bulk_timeout": bulk_timeout,
             },
         )
-        opener = ShardOpener(defaults, sqlite_synchronous, _root)
+        reads = Replication(read_from=read_from, max_lag=max_lag)  # docs/replication.md
+        opener = ShardOpener(defaults, sqlite_synchronous, _root, reads)
         self._closed = False
         backends: list[Backend] = []
         self._opened = backends  # closed by close() until the router owns them
@@ -317,18 +321,21 @@ class Datastore:
         return self._writes.delete([check_id(i, InvalidQuery) for i in ids])
 
     # -- reads (bagstore.reads) ----------------------------------------------------
-    def get(self, entity_id: bytes) -> dict[str, Any] | None:
-        """The entity with this id, or None."""
+    def get(self, entity_id: bytes, *, read_from: str | None = None) -> dict[str, Any] | None:
+        """The entity with this id, or None (``read_from``: "primary" or
+        "replica", default the datastore's; docs/replication.md)."""
         if type(entity_id) is not bytes or len(entity_id) != 16:
             check_id(entity_id, InvalidQuery)
-        return self._reads.get(entity_id)
+        return self._reads.get(entity_id, read_from)
 
-    def get_many(self, ids: Iterable[bytes]) -> list[dict[str, Any] | None]:
+    def get_many(
+        self, ids: Iterable[bytes], *, read_from: str | None = None
+    ) -> list[dict[str, Any] | None]:
         """Entities in the order asked (None where missing); one query per shard,
         shards in parallel.  An id asked twice gives two separate dicts."""
         if isinstance(ids, bytes):
             raise InvalidQuery("get_many takes a list of ids, not one id")
-        return self._reads.get_many([check_id(i, InvalidQuery) for i in ids])
+        return self._reads.get_many([check_id(i, InvalidQuery) for i in ids], read_from)
 
     def fetch_many(self, ids: Iterable[bytes]) -> dict[bytes, Stored]:
         """``{id: Stored}`` (body, version, ``updated``) of the ids that exist, as
@@ -346,11 +353,13 @@ class Datastore:
         limit: int | None = None,
         cursor: str | None = None,
         allow_partial: bool = False,
+        read_from: str | None = None,
     ) -> QueryResult:
         """Run a query through one index (``Index.get_all`` calls this)."""
-        return self._queries.query_index(
-            index, filters, order=order, limit=limit, cursor=cursor, allow_partial=allow_partial
-        )
+        with self._reads.reading(read_from):
+            return self._queries.query_index(
+                index, filters, order=order, limit=limit, cursor=cursor, allow_partial=allow_partial
+            )
 
     def query(
         self,
@@ -358,6 +367,7 @@ class Datastore:
         order: str | None = None,
         limit: int | None = None,
         cursor: str | None = None,
+        read_from: str | None = None,
         **filters: Any,
     ) -> QueryResult:
         """Query through the best ready index for these filters.
@@ -365,7 +375,8 @@ class Datastore:
         Raises ``IndexNotReady`` if only a building index could answer, and
         ``NoIndexForQuery`` (naming an index that would) if none could.
         """
-        return self._queries.query(order=order, limit=limit, cursor=cursor, **filters)
+        with self._reads.reading(read_from):
+            return self._queries.query(order=order, limit=limit, cursor=cursor, **filters)
 
     @long_statements()  # reads every row: statements wait bulk_timeout
     def check(self) -> dict[str, Any]:
@@ -523,7 +534,11 @@ class Datastore:
             {'refused': 0, 'frozen_waits': 0, 'full_reads': 0, 'bucket_reads': 0}
             >>> ds.close()
         """
-        return {**self.cache_layer.stats.as_dict(), "placement": self.router.counts()}
+        return {
+            **self.cache_layer.stats.as_dict(),
+            "placement": self.router.counts(),
+            **self.router.replication.stats(),  # "reads" per server, "replicas"
+        }
 
     def close(self) -> None:
         """Close every connection; the datastore cannot be used afterwards."""

@@ -17,13 +17,24 @@ answer did not come may or may not have been applied.
 
 The largest body and the largest multi-row statement follow from the server's
 ``max_allowed_packet`` (a value may be escaped to twice its size on the wire).
+
+A primary with replicas (``replica=`` in its URL, docs/replication.md)
+remembers the GTID of each transaction this process commits there (MariaDB's
+``session_track_system_variables=last_gtid``, read from the OK packet that
+PyMySQL already receives: no extra round trip; mysqlclient asks
+``SELECT @@last_gtid`` after a write), so that a replica read can wait for it.
+Every new connection to such a primary first checks that the server is
+writable (``read_only`` off) and what role row it holds, and a connection
+that broke makes the next statement re-check where the primary is (see
+``guard``; the router decides, :mod:`bagstore.sharding.replicas`).
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from bagstore.backends.base import Backend, Dialect, check_identifier
@@ -65,6 +76,9 @@ _DEADLOCK = {1213}
 _DUPLICATE = {1062}
 _UNKNOWN_DATABASE = 1049
 _UNKNOWN_VARIABLE = 1193
+_READ_ONLY = 1290  # the server runs with --read-only (a replica, or a fenced primary)
+_SESSION_STATE_CHANGED = 0x4000
+_SESSION_TRACK = 1 << 23  # client capability: session state in OK packets
 _MEDIUMBLOB_MAX = 16 * 1024 * 1024 - 1
 _ENGINE = "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
 
@@ -241,8 +255,29 @@ class MySQLBackend(Backend):
         read_timeout: float | None = 30.0,
         write_timeout: float | None = 30.0,
         bulk_timeout: float | None = 600.0,
+        replicas: Sequence[str] = (),
+        replica: bool = False,
     ) -> None:
         check_identifier(database, "MySQL database name")
+        #: How to open the same database on another server (see ``sibling``).
+        self._settings: dict[str, Any] = dict(
+            user=user, password=password, database=database, driver=driver,
+            pool_size=pool_size, connect_timeout=connect_timeout, read_timeout=read_timeout,
+            write_timeout=write_timeout, bulk_timeout=bulk_timeout,
+        )  # fmt: skip
+        #: The servers configured as this one's replicas (``host:port``).
+        self.replicas = tuple(replicas)
+        #: A replica: never creates the database nor tracks GTIDs.
+        self.replica = replica
+        #: Called before work when a connection to this primary broke (or a new
+        #: one found the server read-only): the router re-reads where the
+        #: primary is and may ``retarget`` this backend.
+        self.guard: Callable[[MySQLBackend], None] | None = None
+        self.suspect = False
+        #: The role row a new connection must find (epoch), set by the router.
+        self.epoch = 0
+        self._gtids: dict[str, tuple[int, str]] = {}  # domain -> (seq_no, GTID)
+        self._gtid_lock = threading.Lock()
         super().__init__(f"mysql://{user}@{host}:{port}/{database}", server=f"{host}:{port}")
         self.host, self.port, self.user, self.database = host, port, user, database
         self._password = password
@@ -259,15 +294,96 @@ class MySQLBackend(Backend):
         # PyMySQL reads a connection's timeouts at each packet: they can change
         # between statements (a bulk step's longer ones, the handshake's shorter).
         self._switchable = self._driver.__name__ == "pymysql"
-        self._created_database = False
-        self._pool: Pool[Any] = Pool(
+        self._created_database = replica
+        self._track = bool(replicas) and not replica
+        self._tracking_class: Any = None
+        if self._track and self._switchable:
+            self._tracking_class = _tracking_connection(self._driver)
+        self._pool: Pool[Any] = self._new_pool()
+        self._limits_known = False
+
+    def _new_pool(self) -> Pool[Any]:
+        return Pool(
             self._connect,
             lambda c: c.close(),
-            size=pool_size,
+            size=int(self._settings["pool_size"]),
             alive=self._alive,
             name=self.name,
         )
-        self._limits_known = False
+
+    # -- replication (docs/replication.md) ------------------------------------------
+    @property
+    def replicated(self) -> bool:
+        """Whether this is a primary with replicas."""
+        return self._track
+
+    def sibling(
+        self,
+        address: str,
+        *,
+        user: str | None = None,
+        password: str | None = None,
+        **settings: Any,
+    ) -> MySQLBackend:
+        """The same database on another server (``host:port``), with this
+        login unless ``user`` is given (``settings``: other timeouts, ...):
+        a replica's backend, which never creates the database."""
+        host, _, port = address.rpartition(":")
+        settings = {**self._settings, **settings}
+        if user is not None:
+            settings.update(user=user, password=password or "")
+        return MySQLBackend(host=host, port=int(port), replica=True, **settings)
+
+    def gtid_wait(self, position: str, timeout: float) -> bool:
+        """On a replica: whether it applied ``position`` within ``timeout`` s."""
+        rows = self.fetchall("SELECT MASTER_GTID_WAIT(%s, %s)", (position, timeout))
+        return bool(rows[0][0] == 0)
+
+    def replica_lag(self) -> float | None:
+        """On a replica: ``Seconds_Behind_Master`` (None: not replicating, its
+        SQL thread stopped or its primary unreachable)."""
+
+        def work(conn: Any) -> Any:
+            cur = conn.cursor()
+            try:
+                cur.execute("SHOW SLAVE STATUS")
+                row = cur.fetchone()
+                names = [d[0] for d in cur.description or ()]
+            finally:
+                cur.close()
+            return None if row is None else dict(zip(names, row, strict=True))
+
+        status = self.run(work)
+        lag = None if status is None else status.get("Seconds_Behind_Master")
+        return None if lag is None else float(lag)
+
+    def retarget(self, address: str) -> None:
+        """Send this shard's statements to another server from now on (the
+        router's decision after a failover): connections to the old one are
+        closed as they come back."""
+        host, _, port = address.rpartition(":")
+        old = self._pool
+        self.host, self.port, self.server = host, int(port), address
+        self.together = ("mysql", host, int(port), *self.together[3:])  # type: ignore[index]
+        self._pool = self._new_pool()
+        old.close()
+
+    def note_gtid(self, gtid: str) -> None:
+        """Remember a GTID this process committed here (the highest per domain)."""
+        domain, _, rest = gtid.partition("-")
+        seq = int(rest.rpartition("-")[2] or 0)
+        with self._gtid_lock:
+            known = self._gtids.get(domain)
+            if known is None or seq > known[0]:
+                self._gtids[domain] = (seq, gtid)
+
+    def position(self) -> str:
+        """The GTID position of this process's writes here ('' if none), for
+        ``MASTER_GTID_WAIT`` on a replica."""
+        if not self._gtids:
+            return ""
+        with self._gtid_lock:
+            return ",".join(g for _, g in self._gtids.values())
 
     def int_column(self, table: str, key: str, value: str) -> list[int] | None:
         # One row instead of one per key: the catalog's bucket map (1,024 rows)
@@ -311,6 +427,32 @@ class MySQLBackend(Backend):
             f"(SET GLOBAL innodb_purge_threads = {enough}; see docs/scaleout.md)."
         ]
 
+    def _check_role(self, conn: Any) -> None:
+        """A new connection to a primary with replicas: the server must be
+        writable and must not hold a role row newer than the one this process
+        routes by (else: ``_NotPrimary``, and the router looks again)."""
+        cur = conn.cursor()
+        try:
+            cur.execute("SELECT @@global.read_only")
+            read_only = int(cur.fetchone()[0])
+            epoch = self.epoch
+            try:
+                cur.execute("SELECT epoch FROM bagstore_role WHERE one = 1")
+                row = cur.fetchone()
+                epoch = int(row[0]) if row else 0
+            except self._driver.Error as exc:
+                if self._code(exc) != 1146:  # no such table: no failover yet
+                    raise
+        finally:
+            cur.close()
+        if read_only or epoch != self.epoch:
+            conn.close()
+            self.suspect = True
+            raise _NotPrimary(
+                f"shard {self.name}: {self.server} is "
+                + ("read-only" if read_only else f"at epoch {epoch}, not {self.epoch}")
+            )
+
     def _connect_args(self, database: str | None) -> dict[str, Any]:
         args: dict[str, Any] = {
             "host": self.host,
@@ -338,21 +480,28 @@ class MySQLBackend(Backend):
                     args[key] = max(1, math.ceil(args[key]))
         if database is not None:
             args["database"] = database
+        if self._track:
+            args["init_command"] += ", session_track_system_variables = 'last_gtid'"
+            if self._tracking_class is not None:
+                args["client_flag"] = _SESSION_TRACK
         return args
 
     def _connect(self) -> Any:
         drv = self._driver
+        connect = self._tracking_class or drv.connect
         try:
             try:
-                conn = drv.connect(**self._connect_args(self.database))
+                conn = connect(**self._connect_args(self.database))
             except drv.OperationalError as exc:
                 if exc.args and exc.args[0] == _UNKNOWN_DATABASE and not self._created_database:
                     self._create_database()
-                    conn = drv.connect(**self._connect_args(self.database))
+                    conn = connect(**self._connect_args(self.database))
                 else:
                     raise
             if not self._limits_known:
                 self._read_limits(conn)
+            if self._track:
+                self._check_role(conn)
         except drv.Error as exc:
             if _timed_out(exc):
                 raise ShardTimeout(
@@ -402,7 +551,15 @@ class MySQLBackend(Backend):
                 pass
 
     def _acquire(self) -> Any:
-        conn = self._pool.acquire()
+        if self.suspect and self.guard is not None:
+            self.guard(self)
+        try:
+            conn = self._pool.acquire()
+        except _NotPrimary:
+            if self.guard is None:
+                raise
+            self.guard(self)  # waits while no server is writable, may retarget
+            conn = self._pool.acquire()
         if self._switchable:
             if in_long_statements():
                 read = write = self._bulk_timeout
@@ -413,9 +570,27 @@ class MySQLBackend(Backend):
         return conn
 
     def _release(self, conn: Any) -> None:
+        if self._track:
+            self._collect_gtid(conn)
         self._pool.release(conn)
 
+    def _collect_gtid(self, conn: Any) -> None:
+        if self._tracking_class is not None:
+            gtid = conn.tracked_gtid
+            if gtid:
+                conn.tracked_gtid = ""
+                self.note_gtid(gtid)
+        else:  # mysqlclient reports no session state: ask (a write may have committed)
+            cur = conn.cursor()
+            cur.execute("SELECT @@last_gtid")
+            gtid = cur.fetchone()[0]
+            cur.close()
+            if gtid:
+                self.note_gtid(gtid.decode() if isinstance(gtid, bytes) else str(gtid))
+
     def _discard(self, conn: Any) -> None:
+        if self._track:
+            self.suspect = True  # a broken connection: where is the primary now?
         self._pool.discard(conn)
 
     def close(self) -> None:
@@ -435,6 +610,8 @@ class MySQLBackend(Backend):
             return ShardTimeout
         if code in _DUPLICATE:
             return DuplicateValue
+        if code == _READ_ONLY and self._track:
+            return ShardUnavailable  # the primary was fenced: see is_retryable
         return BackendError
 
     def translated(self, exc: BaseException) -> BackendError:
@@ -469,7 +646,71 @@ class MySQLBackend(Backend):
         # waiting again would double the caller's wait).
         if _timed_out(exc):
             return False
+        if code == _READ_ONLY and self._track:
+            self.suspect = True  # fenced (a switchover): look for the primary again
+            return True
         return code in _DEADLOCK or code in _LOST
+
+
+class _NotPrimary(ShardUnavailable):
+    """A new connection found a server that is not (or no longer) the primary."""
+
+
+def _tracking_connection(driver: Any) -> Any:
+    """PyMySQL's connection class, remembering the ``last_gtid`` that MariaDB
+    reports in the OK packets of committed transactions (``tracked_gtid``)."""
+
+    class Tracking(driver.connections.Connection):  # type: ignore[misc]
+        tracked_gtid = ""
+
+        def _read_ok_packet(self) -> Any:  # COMMIT
+            ok = super()._read_ok_packet()
+            if ok.server_status & _SESSION_STATE_CHANGED:
+                self._track(ok.message)
+            return ok
+
+        def _read_query_result(self, unbuffered: bool = False) -> Any:
+            n = super()._read_query_result(unbuffered)
+            result = self._result
+            if result is not None and result.message and result.server_status & 0x4000:
+                self._track(result.message)
+            return n
+
+        def _track(self, data: bytes) -> None:
+            gtid = _last_gtid(data)
+            if gtid:
+                self.tracked_gtid = gtid
+
+    return Tracking
+
+
+def _lenenc(data: bytes, at: int) -> tuple[bytes, int]:
+    n = data[at]
+    if n < 0xFB:
+        return data[at + 1 : at + 1 + n], at + 1 + n
+    size = {0xFC: 2, 0xFD: 3, 0xFE: 8}[n]
+    n = int.from_bytes(data[at + 1 : at + 1 + size], "little")
+    start = at + 1 + size
+    return data[start : start + n], start + n
+
+
+def _last_gtid(data: bytes) -> str:
+    """``last_gtid`` from an OK packet's tail (info, then session state
+    changes: type 0 = a system variable, name and value)."""
+    try:
+        _, at = _lenenc(data, 0)
+        state, _ = _lenenc(data, at)
+        at = 0
+        while at < len(state):
+            kind = state[at]
+            item, at = _lenenc(state, at + 1)
+            if kind == 0:
+                name, rest = _lenenc(item, 0)
+                if name == b"last_gtid":
+                    return _lenenc(item, rest)[0].decode()
+    except (IndexError, KeyError, UnicodeDecodeError):
+        return ""
+    return ""
 
 
 def _timed_out(exc: BaseException) -> bool:

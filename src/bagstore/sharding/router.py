@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from bagstore.backends.pool import in_long_statements, long_statements
 from bagstore.errors import KeyMigrating, Retryable, StalePlacement
+from bagstore.sharding.replicas import records as replica_records
 from bagstore.sharding.topology import ShardOpener, Topology
 
 if TYPE_CHECKING:
@@ -112,6 +113,12 @@ class Router:
         #: how this process learned of bucket moves (see ``Datastore.stats()``)
         self._counts = {"refused": 0, "frozen_waits": 0, "full_reads": 0, "bucket_reads": 0}
         self.topology = Topology(placement, tuple(backends))
+        #: the replicated shards: where their primaries are, replica reads
+        self.replication = opener.replication
+        self.replication.catalog = catalog
+        self.replication.name(catalog.backend, "catalog")
+        for no, backend in enumerate(backends):
+            self.replication.name(backend, str(no))
         self.parallel = self._fan_out()
         #: when the placement's version was last compared with the catalog's
         self.checked_at = time.monotonic()
@@ -164,8 +171,11 @@ class Router:
             opened = placement.shard_names[len(backends) :]
             for name in opened:
                 backend = self.opener.open_listed(name)
+                self.replication.name(backend, str(len(backends)))
                 self.on_new_shard(backend)
                 backends.append(backend)
+            if self.replication.replicated():
+                self.replication.learn(replica_records(self.catalog.read_meta()))
             self._install(placement, tuple(backends))
             self.parallel = self._fan_out()
             moved = sum(
@@ -285,6 +295,12 @@ class Router:
                 self.refresh_refused(bucket(item) for item in pending)
         raise StalePlacement("the placement kept changing; gave up")
 
+    def read_on(self, shard: int, work: Callable[[Backend], T], read_from: str | None = None) -> T:
+        """A read on ``shard``: on one of its replicas when ``read_from`` (or
+        the datastore's default) is ``"replica"`` and one is fit, else on its
+        primary (see :mod:`bagstore.sharding.replicas`)."""
+        return self.replication.read(self.topology.backends[shard], work, read_from)
+
     def on_bucket(self, bucket: int, work: Callable[[Backend], T]) -> T:
         """Run ``work`` on the shard that owns ``bucket``, resolved again after
         each refusal (see :meth:`retry`)."""
@@ -374,6 +390,7 @@ class Router:
         """Stop the pool and close every shard's connections and the catalog's."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self.replication.close()
         for b in {id(b): b for b in [*self.topology.backends, self.catalog.backend]}.values():
             b.close()
 
