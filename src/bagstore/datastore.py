@@ -449,6 +449,14 @@ class Datastore:
 
         return Mover(self).migrate_key(value, to_bucket, wait=wait)
 
+    def failover(self, shard: int | str, *, to: str | None = None, **options: Any) -> Any:
+        """Switch a replicated shard's primary to replica ``to`` (planned), or
+        promote the most advanced replica when the primary is down; see
+        :func:`bagstore.sharding.failover.failover` and docs/replication.md."""
+        from bagstore.sharding.failover import failover
+
+        return failover(self.router, shard, to=to, **options)
+
     # -- ids -----------------------------------------------------------------------
     def sequence(self, name: str, *, block: int = 1000, start: int = 1) -> Any:
         """An integer id sequence shared by every process of this store (see

@@ -1,0 +1,240 @@
+"""Replica reads and planned switchover on a real MariaDB replication group
+(one primary and two replicas started for this module: tests/replication.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import bagstore
+from bagstore.errors import ConfigurationError, InvalidQuery
+from tests import servers
+from tests.replication import (
+    APP_PASSWORD,
+    APP_USER,
+    REPL_PASSWORD,
+    REPL_USER,
+    ReplicationGroup,
+    paused,
+    started_group,
+)
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[ReplicationGroup]:
+    with started_group(3) as g:
+        yield g
+
+
+@pytest.fixture
+def db(group: ReplicationGroup) -> Iterator[str]:
+    name = servers.unique_name("repl")
+    yield name
+    group.sync()
+    primary = next(s for s in group.servers if s.running and not s.one("SELECT @@read_only"))
+    primary.sql(f"DROP DATABASE IF EXISTS {servers.quote_ident(name)}")
+
+
+def _open(group: ReplicationGroup, db: str, **kwargs: Any) -> bagstore.Datastore:
+    return bagstore.Datastore([group.url(db)], **kwargs)
+
+
+def test_replica_read_sees_the_write_just_made(group: ReplicationGroup, db: str) -> None:
+    with _open(group, db, read_from="replica") as ds:
+        for n in range(20):
+            entity_id = ds.put({"n": n})
+            assert ds.get(entity_id) == {"n": n, "id": entity_id}
+            assert ds.get_many([entity_id])[0]["n"] == n
+        stats = ds.stats()
+        replicas = {r.addr for r in group.replicas}
+        assert set(stats["reads"]) == replicas  # both replicas took reads, the primary none
+        assert sum(stats["reads"].values()) == 40
+        assert min(stats["reads"].values()) >= 10  # spread, not all on one
+        assert stats["replicas"]["fallbacks"] == 0
+        assert stats["replicas"]["waits"] >= 20  # each new write waited for
+        # per call: the primary, counted nowhere (not routed by read_from)
+        assert ds.get(entity_id, read_from="primary")["n"] == 19
+        assert sum(ds.stats()["reads"].values()) == 40
+
+
+def test_stopped_sql_thread_falls_back_to_the_primary(group: ReplicationGroup, db: str) -> None:
+    with _open(group, db, read_from="replica") as ds:
+        ds.router.replication.wait_timeout = 0.2
+        ds.put({"warm": 1})
+        group.sync()
+        for r in group.replicas:
+            r.sql("STOP SLAVE SQL_THREAD")
+        try:
+            entity_id = ds.put({"n": 1})
+            assert ds.get(entity_id)["n"] == 1  # read your write: from the primary
+            stats = ds.stats()
+            assert stats["replicas"]["fallbacks"] == 1
+            assert stats["reads"] == {group.primary.addr: 1}
+        finally:
+            for r in group.replicas:
+                r.sql("START SLAVE SQL_THREAD")
+
+
+def test_max_lag_skips_a_replica_that_is_behind(group: ReplicationGroup, db: str) -> None:
+    with _open(group, db) as writer, _open(group, db, read_from="replica", max_lag=5) as reader:
+        entity_id = writer.put({"n": 1})
+        group.sync()
+        lagging = group.replicas[0]
+        lagging.sql("STOP SLAVE SQL_THREAD")  # its lag is unknown: too far behind
+        try:
+            for _ in range(6):
+                assert reader.get(entity_id)["n"] == 1  # (another process's write)
+            stats = reader.stats()
+            assert set(stats["reads"]) == {group.replicas[1].addr}
+            assert stats["replicas"]["skipped"] >= 3
+            # one wait at most: for what opening the store wrote, never per read
+            assert stats["replicas"]["waits"] <= 1
+        finally:
+            lagging.sql("START SLAVE SQL_THREAD")
+
+
+def test_a_dead_replica_is_skipped_never_an_error(group: ReplicationGroup, db: str) -> None:
+    with _open(group, db, read_from="replica", connect_timeout=0.5, read_timeout=0.5) as ds:
+        ids = [ds.put({"n": n}) for n in range(4)]
+        group.sync()
+        with paused(group.replicas[0]):
+            for entity_id in ids * 2:
+                assert ds.get(entity_id) is not None
+            assert [e["n"] for e in ds.get_many(ids) if e] == [0, 1, 2, 3]
+        stats = ds.stats()
+        assert stats["replicas"]["skipped"] >= 1
+        assert stats["reads"].get(group.replicas[1].addr, 0) >= 9
+
+
+def test_queries_read_replicas_and_cache_fills_read_the_primary(
+    group: ReplicationGroup, db: str
+) -> None:
+    index = bagstore.Index("index_user", ["user_id"], shard_on="user_id")
+    with _open(group, db, indexes=[index], read_from="replica") as ds:
+        ids = [ds.put({"user_id": b"u1", "n": n}) for n in range(5)]
+        got = index.get_all(ds, user_id=b"u1")
+        assert sorted(e["n"] for e in got) == [0, 1, 2, 3, 4]
+        assert len(ds.query(user_id=b"u1", read_from="primary")) == 5
+        replica_reads = sum(ds.stats()["reads"].get(r.addr, 0) for r in group.replicas)
+        assert replica_reads >= 1
+        assert ds.get(ids[0])["n"] == 0
+    with _open(group, db, read_from="replica", cache="memory") as cached:
+        assert cached.get(ids[1])["n"] == 1
+        assert cached.stats()["reads"] == {}  # a cache fill: from the primary, not routed
+
+
+def test_bad_read_options_are_refused(group: ReplicationGroup, db: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="read_from"):
+        _open(group, db, read_from="nearest")
+    with pytest.raises(ConfigurationError, match="max_lag"):
+        _open(group, db, max_lag=-1)
+    with pytest.raises(ConfigurationError, match="not host:port"):
+        bagstore.Datastore([group.url(db) + "&replica=nohost"])
+    with pytest.raises(ConfigurationError, match="cannot have replicas"):
+        bagstore.Datastore([f"sqlite:///{tmp_path}/a.db?replica=127.0.0.1:3307"])
+    with _open(group, db) as ds:
+        entity_id = ds.put({"n": 1})
+        with pytest.raises(ConfigurationError, match="read_from"):
+            ds.get(entity_id, read_from="secondary")
+        with pytest.raises(InvalidQuery):
+            ds.get(b"short", read_from="replica")
+        with pytest.raises(ConfigurationError, match="no shard"):
+            ds.failover(7, to=group.replicas[0].addr)
+        with pytest.raises(ConfigurationError, match="not a replica"):
+            ds.failover(0, to="127.0.0.1:1")
+        assert ds.get(entity_id)["n"] == 1  # nothing changed
+
+
+def _writers(
+    ds_list: list[bagstore.Datastore], stop: threading.Event
+) -> tuple[list[threading.Thread], list[bytes], list[BaseException], list[float]]:
+    acked: list[bytes] = []
+    errors: list[BaseException] = []
+    pauses: list[float] = []
+
+    def write(ds: bagstore.Datastore, n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                acked.append(ds.put({"w": n, "i": i}))
+            except Exception as exc:  # counted, the test fails on any
+                errors.append(exc)
+            pauses.append(time.monotonic() - started)
+            i += 1
+
+    threads = [
+        threading.Thread(target=write, args=(ds, n), daemon=True)
+        for n, ds in enumerate(ds_list * 2)
+    ]
+    for t in threads:
+        t.start()
+    return threads, acked, errors, pauses
+
+
+@pytest.mark.parametrize("login", ["root", "app"])
+def test_planned_switchover_under_writers(group: ReplicationGroup, db: str, login: str) -> None:
+    """Two datastores (the second never told of the switchover) write while
+    the primary moves to a replica and back: no error, nothing lost."""
+    user, password = (APP_USER, APP_PASSWORD) if login == "app" else ("root", "")
+    with _open(group, db):  # creates the database and tables as root
+        pass
+    group.sync()
+    url = group.url(db, user=user, password=password)
+    first = bagstore.Datastore([url])
+    stale = bagstore.Datastore([url])
+    try:
+        stop = threading.Event()
+        threads, acked, errors, pauses = _writers([first, stale], stop)
+        while len(acked) < 50:
+            time.sleep(0.01)
+        old, target = group.primary.addr, group.replicas[0].addr
+        done = first.failover(
+            0, to=target, user="root", password="",
+            replication_user=REPL_USER, replication_password=REPL_PASSWORD,
+        )  # fmt: skip
+        assert done["primary"] == target and done["planned"] and done["old_primary"] == old
+        count = len(acked)
+        while len(acked) < count + 50:
+            time.sleep(0.01)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert max(pauses) < 10  # bounded by writable_wait (5 s) and the switch
+        # the new primary has every acknowledged write, and so does the old one
+        new_primary = group.servers[1]
+        assert not new_primary.one("SELECT @@read_only")
+        assert group.primary.one("SELECT @@read_only")
+        table = f"{servers.quote_ident(db)}.entities"
+        assert new_primary.one(f"SELECT COUNT(*) FROM {table}") == len(acked)
+        got = first.get_many(acked)
+        assert all(e is not None for e in got)
+        # a new process, configured as before (the old primary first), finds the new one
+        with bagstore.Datastore([url]) as fresh:
+            written = fresh.put({"fresh": 1})
+            assert fresh.router.backends[0].server == target
+        group.primary.wait_for(new_primary.gtid())
+        assert (
+            group.primary.one(f"SELECT COUNT(*) FROM {table} WHERE id = %s", (written,)) == 1
+        )  # the old primary replicates from the new one
+    finally:
+        try:
+            first.failover(
+                0,
+                to=old,
+                user="root",
+                password="",
+                replication_user=REPL_USER,
+                replication_password=REPL_PASSWORD,
+            )  # fmt: skip  (back as before, for the next test)
+        finally:
+            first.close()
+            stale.close()
+    assert not group.primary.one("SELECT @@read_only")
+    group.sync()
