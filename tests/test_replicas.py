@@ -238,3 +238,69 @@ def test_planned_switchover_under_writers(group: ReplicationGroup, db: str, logi
             stale.close()
     assert not group.primary.one("SELECT @@read_only")
     group.sync()
+
+
+def test_toml_names_replicas_as_a_table_or_in_the_url(
+    group: ReplicationGroup, db: str, tmp_path: Path
+) -> None:
+    from bagstore.config import load_config
+
+    replicas = ", ".join(f'"{r.addr}"' for r in group.replicas)
+    config = tmp_path / "app.toml"
+    config.write_text(
+        "[bagstore]\n"
+        f'shards = [{{ url = "mysql://root@{group.primary.addr}/{db}", '
+        f"replicas = [{replicas}] }}]\n"
+        'read_from = "replica"\nmax_lag = 30\n'
+    )
+    with load_config(config) as ds:
+        entity_id = ds.put({"n": 1})
+        assert ds.get(entity_id)["n"] == 1
+        assert set(ds.stats()["reads"]) <= {r.addr for r in group.replicas}
+        assert ds.stats()["reads"]
+    config.write_text(f'[bagstore]\nshards = ["{group.url(db)}"]\n')
+    with load_config(config) as ds:
+        assert ds.get(entity_id, read_from="replica")["n"] == 1
+    for bad in ('{ url = "sqlite:///x.db", replicas = ["h:1"] }', '{ url = "x", copies = 2 }', "3"):
+        config.write_text(f"[bagstore]\nshards = [{bad}]\n")
+        with pytest.raises(ConfigurationError):
+            load_config(config)
+
+
+def test_cli_failover_and_status(group: ReplicationGroup, db: str, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from bagstore.cli import cli
+
+    config = tmp_path / "app.toml"
+    config.write_text(f'[bagstore]\nshards = ["{group.url(db)}"]\n')
+    env = {"BAGSTORE_REPLICATION_PASSWORD": REPL_PASSWORD}
+
+    def run(*args: str) -> Any:
+        return CliRunner().invoke(cli, ["--config", str(config), *args], env=env)
+
+    assert run("put", '{"n": 1}').exit_code == 0
+    result = run("status", "--json")
+    assert result.exit_code == 0, result.output
+    import json
+
+    roles = {s["server"]: s["role"] for s in json.loads(result.stdout)["replication"]}
+    assert roles == {group.primary.addr: "primary", **{r.addr: "replica" for r in group.replicas}}
+    bad = run("shard", "failover", "0", "--to", "nohost")
+    assert bad.exit_code == 2 and "error:" in bad.output and "host:port" in bad.output
+    target = group.replicas[1].addr
+    args = ("--replication-user", REPL_USER, "--json")
+    result = run("shard", "failover", "0", "--to", target, *args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["primary"] == target
+    try:
+        roles = {
+            s["server"]: s["role"]
+            for s in json.loads(run("status", "--json").stdout)["replication"]
+        }
+        assert roles[target] == "primary" and roles[group.primary.addr] == "replica"
+        assert "Replication" in run("status").output
+    finally:
+        back = run("shard", "failover", "0", "--to", group.primary.addr, *args)
+        assert back.exit_code == 0, back.output
+    group.sync()

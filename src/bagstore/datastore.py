@@ -33,6 +33,7 @@ from bagstore.names import check_new_kind
 from bagstore.queries import Queries
 from bagstore.query import QueryResult
 from bagstore.reads import Reads
+from bagstore.sharding.failover import failover
 from bagstore.sharding.placer import Placer
 from bagstore.sharding.replicas import Replication
 from bagstore.sharding.router import Router
@@ -450,11 +451,8 @@ class Datastore:
         return Mover(self).migrate_key(value, to_bucket, wait=wait)
 
     def failover(self, shard: int | str, *, to: str | None = None, **options: Any) -> Any:
-        """Switch a replicated shard's primary to replica ``to`` (planned), or
-        promote the most advanced replica when the primary is down; see
-        :func:`bagstore.sharding.failover.failover` and docs/replication.md."""
-        from bagstore.sharding.failover import failover
-
+        """Make replica ``to`` a shard's primary (see docs/replication.md and
+        :func:`bagstore.sharding.failover.failover`)."""
         return failover(self.router, shard, to=to, **options)
 
     # -- ids -----------------------------------------------------------------------

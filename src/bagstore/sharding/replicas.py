@@ -339,3 +339,39 @@ def _seqs(position: str) -> dict[str, int]:
     from bagstore.backends.replication import seqs
 
     return seqs(position)
+
+
+def servers_status(router: Any) -> list[dict[str, Any]]:
+    """Every server of every replicated shard (and of the catalog): its role
+    (``primary``, ``replica``, ``retired``, ``unreachable``), lag, GTID
+    position and, on a primary, semi-synchronous replication's state."""
+    from bagstore.backends.replication import Servers
+
+    replication: Replication = router.replication
+    out: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for backend in replication.replicated():
+        if id(backend) in seen:
+            continue
+        seen.add(id(backend))
+        role = replication.role_of(backend)
+        assert role is not None
+        servers = Servers(backend, quick=True)
+        for address in (*role.servers, *role.retired):
+            state = servers.state(address)
+            kind = (
+                "retired" if address in role.retired
+                else "unreachable" if not state.reachable
+                else "primary" if address == role.primary else "replica"
+            )  # fmt: skip
+            out.append({
+                "shard": replication.shard_numbers.get(id(backend), "?"),
+                "server": address,
+                "role": kind,
+                "epoch": role.epoch,
+                "lag": state.lag,
+                "replicating": state.io_running and state.sql_running,
+                "position": state.binlog_pos,
+                "semi_sync": state.semi_sync if kind == "primary" else {},
+            })  # fmt: skip
+    return out

@@ -1,0 +1,101 @@
+"""Replication commands of ``bagstore``: ``shard failover`` and the replicas
+part of ``status`` (docs/replication.md).
+
+    $ bagstore --config app.toml shard failover 0 --to db1r:3306
+    $ bagstore --config app.toml status      # each server's role, lag, semi-sync
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from bagstore.cli import _out, _print_json, _store
+from bagstore.cli_ops import shard_group
+from bagstore.sharding.failover import failover
+from bagstore.sharding.replicas import servers_status
+
+__all__ = ["replication_table", "shard_failover"]
+
+log = logging.getLogger("bagstore.replication")
+
+
+@shard_group.command("failover")
+@click.argument("shard")
+@click.option("--to", "to", metavar="HOST:PORT", help="The replica to promote.")
+@click.option("--user", default=None, help="Administrative login (default: the shard's own).")
+@click.option("--replication-user", default=None, help="The login replicas use (default: --user).")
+@click.option("--timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
+              help="Seconds the target may take to catch up.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def shard_failover(
+    ctx: click.Context,
+    shard: str,
+    to: str | None,
+    user: str | None,
+    replication_user: str | None,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Make replica --to the primary of SHARD (its number, its name in `shard
+    list`, its URL, or `catalog`): a planned switchover while the primary
+    answers; when it cannot be reached, the most advanced replica is promoted
+    (--to, if given, must be one of them) and the old primary is refused from
+    then on.  Passwords: BAGSTORE_ADMIN_PASSWORD and
+    BAGSTORE_REPLICATION_PASSWORD."""
+    ds = _store(ctx)
+    done = failover(
+        ds.router,
+        shard,
+        to=to,
+        user=user,
+        password=os.environ.get("BAGSTORE_ADMIN_PASSWORD") if user else None,
+        replication_user=replication_user,
+        replication_password=os.environ.get("BAGSTORE_REPLICATION_PASSWORD"),
+        timeout=timeout,
+    )
+    if as_json:
+        _print_json(done)
+        return
+    kind = "switchover" if done["planned"] else "failover"
+    _out().print(
+        f"shard {escape(done['shard'])}: {kind} from {escape(done['old_primary'])} to "
+        f"{escape(done['primary'])} (epoch {done['epoch']}, {done['seconds']:.2f} s)"
+    )
+
+
+def replication_table(report: list[dict[str, Any]]) -> Table:
+    """``bagstore status``'s table of replicated servers."""
+    table = Table(title="Replication", title_justify="left")
+    for column in ("shard", "server", "role", "lag", "position", "semi-sync"):
+        table.add_column(column)
+    for s in report:
+        semi = s.get("semi_sync") or {}
+        if s["role"] == "primary" and semi.get("enabled"):
+            sync = "on" if semi.get("active") else "[red]fell back to async[/]"
+        else:
+            sync = "-" if s["role"] == "primary" else ""
+        lag = "" if s.get("lag") is None else f"{s['lag']} s"
+        table.add_row(s["shard"], s["server"], s["role"], lag, s.get("position", ""), sync)
+    return table
+
+
+def status_part(ds: Any) -> list[dict[str, Any]]:
+    """The servers of the replicated shards, logged when semi-sync fell back."""
+    report = servers_status(ds.router)
+    for s in report:
+        semi = s.get("semi_sync") or {}
+        if s["role"] == "primary" and semi.get("enabled") and not semi.get("active"):
+            log.warning(
+                "shard %s: semi-synchronous replication on %s fell back to asynchronous "
+                "(no replica acknowledged in time): acknowledged writes may be lost in a "
+                "failover until it is back",
+                s["shard"], s["server"],
+            )  # fmt: skip
+    return report
