@@ -503,6 +503,8 @@ class MySQLBackend(Backend):
             if self._track:
                 self._check_role(conn)
         except drv.Error as exc:
+            if self._track:
+                self.suspect = True  # no answer: is the primary elsewhere now?
             if _timed_out(exc):
                 raise ShardTimeout(
                     f"shard {self.name}: the server did not complete a new connection within "

@@ -29,6 +29,7 @@ from bagstore.errors import BackendError, ConfigurationError
 __all__ = ["Role", "ServerState", "Servers"]
 
 _NO_TABLE = 1146
+_NO_DATABASE = 1049
 _ROLE_TABLE = (
     "CREATE TABLE IF NOT EXISTS bagstore_role (one INT NOT NULL PRIMARY KEY, "
     "epoch BIGINT NOT NULL, servers TEXT NOT NULL) ENGINE=InnoDB"
@@ -151,7 +152,12 @@ class Servers:
                     cur.close()
                 return (Role.from_json(row[0], _text(row[1])) if row else None), read_only
 
-            return b.run(work, attempts=1)
+            try:
+                return b.run(work, attempts=1)
+            except BackendError as exc:
+                if b._code(exc.__cause__) == _NO_DATABASE:  # a new store: nothing said yet
+                    return None, False
+                raise
         finally:
             b.close()
 

@@ -122,6 +122,9 @@ class Replication:
         self._roles[key] = Role(0, str(b.server), b.replicas)
         self._guard_locks[key] = threading.Lock()
         b.guard = self.guard
+        # Before its first statement: ask every server, trust the highest epoch
+        # (the configured primary may be an old one, even revived).
+        b.suspect = True
 
     def replicated(self) -> list[MySQLBackend]:
         return list(self._backends.values())
@@ -146,14 +149,13 @@ class Replication:
                 return  # another thread just looked
             deadline = time.monotonic() + self.writable_wait
             while True:
-                backend.suspect = False
                 role, writable, reachable = self.discover(backend)
                 self.apply(backend, role)
                 self._generation[key] += 1
                 if writable:
+                    backend.suspect = False
                     return
                 if not reachable or time.monotonic() >= deadline:
-                    backend.suspect = True
                     raise ShardUnavailable(
                         f"shard {backend.name}: its primary {role.primary} (epoch {role.epoch}) "
                         + ("is read-only" if reachable else "cannot be reached"),

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from bagstore.backends.pool import in_long_statements, long_statements
-from bagstore.errors import KeyMigrating, Retryable, StalePlacement
+from bagstore.errors import KeyMigrating, Retryable, ShardUnavailable, StalePlacement
 from bagstore.sharding.replicas import records as replica_records
 from bagstore.sharding.topology import ShardOpener, Topology
 
@@ -163,7 +163,16 @@ class Router:
         with self._lock:
             self.checked_at = time.monotonic()
             old = self.topology.placement
-            if self.catalog.placement_version() == old.version and not force:
+            try:
+                version = self.catalog.placement_version()
+            except ShardUnavailable:
+                if force:
+                    raise
+                # The catalog's server is down (its primary failed over, say):
+                # reads go on by the placement known, writes stay fenced.
+                log.info("the catalog cannot be reached: placement version %d kept", old.version)
+                return old
+            if version == old.version and not force:
                 return old
             placement = self.catalog.read_placement()
             self.count("full_reads")
