@@ -7,6 +7,7 @@ part of ``status`` (docs/replication.md).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -15,7 +16,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from bagstore.cli import _out, _print_json, _store
+from bagstore.cli import CliError, _out, _print_json, _store
 from bagstore.cli_ops import shard_group
 from bagstore.sharding.failover import failover
 from bagstore.sharding.replicas import servers_status
@@ -99,3 +100,48 @@ def status_part(ds: Any) -> list[dict[str, Any]]:
                 s["shard"], s["server"],
             )  # fmt: skip
     return report
+
+
+@shard_group.command("watch")
+@click.option("--interval", type=click.FloatRange(0.05), default=1.0, show_default=True,
+              help="Seconds between probes.")  # fmt: skip
+@click.option("--failures", type=click.IntRange(1), default=3, show_default=True,
+              help="Failed probes in a row before a failover.")  # fmt: skip
+@click.option("--lease", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              help="Seconds the lease in the catalog lasts unless renewed.")  # fmt: skip
+@click.option("--user", default=None, help="Administrative login (default: the shard's own).")
+@click.option("--replication-user", default=None, help="The login replicas use.")
+@click.pass_context
+def shard_watch(
+    ctx: click.Context,
+    interval: float,
+    failures: int,
+    lease: float,
+    user: str | None,
+    replication_user: str | None,
+) -> None:
+    """Probe the primaries of the replicated shards and fail one over after
+    --failures failed probes, while holding the lease in the catalog (two
+    watchers never both act). Never the catalog's own servers: fail those
+    over with `shard failover catalog`. Runs until Ctrl-C."""
+    from bagstore.sharding.watch import Watcher
+
+    ds = _store(ctx)
+    watcher = Watcher(
+        ds.router,
+        interval=interval,
+        failures=failures,
+        lease=lease,
+        user=user,
+        password=os.environ.get("BAGSTORE_ADMIN_PASSWORD") if user else None,
+        replication_user=replication_user,
+        replication_password=os.environ.get("BAGSTORE_REPLICATION_PASSWORD"),
+    )
+    shards = [name for name, _ in watcher.shards()]
+    if not shards:
+        raise CliError("no replicated shard to watch (outside the catalog's servers)")
+    _out().print(f"watching shard(s) {', '.join(shards)} as {escape(watcher.name)}")
+    with contextlib.suppress(KeyboardInterrupt):
+        watcher.run()
+    for done in watcher.done:
+        _out().print(f"failed shard {done['shard']} over to {escape(done['primary'])}")
