@@ -259,3 +259,84 @@ def started_group(n: int = 3) -> Iterator[ReplicationGroup]:
         yield group
     finally:
         group.stop()
+
+
+class CrossedPair:
+    """Yupoo's pair: two servers replicating each other (master-master), each
+    in its own GTID domain, ``auto_increment_increment=2`` with offsets 1 and 2
+    so that rows inserted on either side never take the same ``added_id``.
+    Logical shards are active on alternating sides (``url(db, side)``)."""
+
+    def __init__(self) -> None:
+        self.servers = [
+            ReplicatedServer(
+                server_id=k,
+                extra_options=(
+                    f"--gtid-domain-id={k}",
+                    "--auto-increment-increment=2",
+                    f"--auto-increment-offset={k}",
+                ),
+            )
+            for k in (1, 2)
+        ]
+
+    def start(self) -> CrossedPair:
+        for server in self.servers:
+            server.start()
+        for server in self.servers:
+            for statement in _users():
+                _run_unlogged(server, statement)
+        a, b = self.servers
+        a.replicate_from(b)
+        b.replicate_from(a)
+        self.sync()
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def url(self, database: str, side: int) -> str:
+        """A shard active on ``servers[side]``, the other side its replica."""
+        active, other = self.servers[side], self.servers[1 - side]
+        return f"mysql://root@{active.addr}/{database}?replica={other.addr}"
+
+    def sync(self, timeout: float = 30.0) -> None:
+        """Each side has applied everything the other wrote."""
+        a, b = self.servers
+        for _ in range(2):  # (what one applied is then in its log for the other)
+            b.wait_for(a.gtid(), timeout)
+            a.wait_for(b.gtid(), timeout)
+
+    def replicating(self) -> bool:
+        return all(s.sql("SHOW SLAVE STATUS") and _both_running(s) for s in self.servers)
+
+
+def _both_running(server: ReplicatedServer) -> bool:
+    conn = server.connect()
+    try:
+        with conn.cursor(pymysql.cursors.DictCursor) as cur:
+            cur.execute("SHOW SLAVE STATUS")
+            row = cur.fetchone()
+    finally:
+        conn.close()
+    return bool(row) and row["Slave_IO_Running"] == "Yes" and row["Slave_SQL_Running"] == "Yes"
+
+
+@contextlib.contextmanager
+def started_pair() -> Iterator[CrossedPair]:
+    """A started crossed pair (skipped, or failed in CI, when it cannot start)."""
+    import pytest
+
+    pair = CrossedPair()
+    try:
+        pair.start()
+    except servers.ServerUnavailable as exc:
+        pair.stop()
+        if servers.in_ci():
+            pytest.fail(f"CI requires this server: {exc}")
+        pytest.skip(str(exc))
+    try:
+        yield pair
+    finally:
+        pair.stop()

@@ -253,15 +253,26 @@ class Servers:
         self.kill_clients(address)
         return self.binlog_pos(address)
 
-    def kill_clients(self, address: str) -> int:
-        """Close every client connection of ``address`` except replication's
-        and this one: their next statement finds where the primary is now."""
+    def fence_database(self, address: str, role: Role) -> str:
+        """The same for one database of a server that stays writable for
+        others (one side of a crossed master-master pair): the new role row,
+        then the connections using this database closed; new ones read the
+        role row and go to the new side."""
+        self._run(address, [(_ROLE_TABLE, ()), *self._role_write(role)])
+        self.kill_clients(address, self.backend.database)
+        return self.binlog_pos(address)
+
+    def kill_clients(self, address: str, database: str | None = None) -> int:
+        """Close every client connection of ``address`` (of ``database`` only,
+        if given) except replication's and this one: their next statement
+        finds where the primary is now."""
         rows = self._run(
             address,
             [(
                 "SELECT id FROM information_schema.processlist WHERE id <> CONNECTION_ID() "
                 "AND command NOT IN ('Binlog Dump', 'Daemon', 'Slave_IO', 'Slave_SQL', "
-                "'Slave_worker') AND user NOT IN ('system user', 'event_scheduler')", ()
+                "'Slave_worker') AND user NOT IN ('system user', 'event_scheduler') "
+                "AND (%s IS NULL OR db = %s)", (database, database)
             )],
         )  # fmt: skip
         killed = 0
@@ -272,6 +283,13 @@ class Servers:
             except BackendError:  # ended meanwhile
                 pass
         return killed
+
+    def source_of(self, address: str) -> str | None:
+        """The ``host:port`` that ``address`` replicates from (None: none)."""
+        slave = self.slave_status(address)
+        if not slave:
+            return None
+        return f"{slave['Master_Host']}:{slave['Master_Port']}"
 
     def stop_io(self, address: str) -> None:
         self._run(address, [("STOP SLAVE IO_THREAD", ())])

@@ -136,6 +136,14 @@ def failover(
         others = tuple(r for r in role.replicas if r != target)
         new = Role(epoch, target, (*others, old), role.retired)
         log.warning("shard %s: switching its primary from %s to %s", name, old, target)
+        if servers.source_of(old) == target:
+            # A crossed master-master pair (Yupoo's): both sides stay writable
+            # for their other databases and keep replicating each other; only
+            # this database's side changes (auto_increment_offset keeps their
+            # added_id apart).  The target takes writes once the role row,
+            # written after the old side's last transaction, has reached it.
+            servers.fence_database(old, new)
+            return _finish(router, name, backend, new, old, True, started)
         position = servers.fence(old, new)
         if not servers.gtid_wait(target, position, timeout):
             servers.write_role(old, role)  # undo: the old primary stays
@@ -176,16 +184,29 @@ def failover(
         servers.promote(target, new)
         for replica in others:
             _follow(servers, replica, target, repl_user, repl_password)
-    replication.apply(backend, new)
+    return _finish(router, name, backend, new, old, reachable, started)
+
+
+def _finish(
+    router: Router,
+    name: str,
+    backend: MySQLBackend,
+    new: Role,
+    old: str,
+    planned: bool,
+    started: float,
+) -> dict[str, Any]:
+    """Route by the new role here, record it in the catalog; the report."""
+    router.replication.guard_to(backend, new)
     _record(router, name, new)
     seconds = time.monotonic() - started
-    log.warning("shard %s: primary is %s (epoch %d), %.2f s", name, target, epoch, seconds)
+    log.warning("shard %s: primary is %s (epoch %d), %.2f s", name, new.primary, new.epoch, seconds)
     return {
         "shard": name,
-        "planned": reachable,
-        "primary": target,
+        "planned": planned,
+        "primary": new.primary,
         "old_primary": old,
-        "epoch": epoch,
+        "epoch": new.epoch,
         "seconds": round(seconds, 3),
     }
 

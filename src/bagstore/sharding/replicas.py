@@ -188,7 +188,13 @@ class Replication:
         if best.epoch == 0 and not any(r for r, _ in said.values()):
             best = Role(0, self._configured[key][0], self._configured[key][1:])
         answer = said.get(best.primary)
-        return best, answer is not None and not answer[1], answer is not None
+        if answer is None:
+            return best, False, False
+        # writable: not read_only, and it has applied its own promotion (its
+        # role row is at this epoch): before that it may lack the old
+        # primary's last transactions
+        own = answer[0].epoch if answer[0] is not None else 0
+        return best, not answer[1] and own == best.epoch, True
 
     def _catalog_record(self, backend: MySQLBackend) -> Role | None:
         catalog, shard = self.catalog, self.shard_numbers.get(id(backend))
@@ -216,6 +222,13 @@ class Replication:
                 old = self._readers.pop(key, ())
                 for reader in old:
                     reader.close()
+
+    def guard_to(self, backend: MySQLBackend, role: Role) -> None:
+        """Route by ``role`` (a failover this process just ran) once its
+        primary is writable (see :meth:`guard`)."""
+        self.apply(backend, role)
+        backend.suspect = True
+        self.guard(backend)
 
     def learn(self, recorded: Mapping[str, Role]) -> None:
         """Catalog records read on a placement refresh: a shard whose record
