@@ -196,6 +196,8 @@ def _users() -> list[str]:
         f"GRANT REPLICATION SLAVE ON *.* TO '{REPL_USER}'@'127.0.0.1'",
         f"CREATE USER IF NOT EXISTS '{APP_USER}'@'127.0.0.1' IDENTIFIED BY '{APP_PASSWORD}'",
         f"GRANT ALL PRIVILEGES ON `bst\\_%`.* TO '{APP_USER}'@'127.0.0.1'",
+        # SHOW SLAVE STATUS, for max_lag: no power over the servers
+        f"GRANT SLAVE MONITOR ON *.* TO '{APP_USER}'@'127.0.0.1'",
     ]
 
 

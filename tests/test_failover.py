@@ -5,6 +5,7 @@ writers resume after the failover, and a revived old primary is fenced off."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import time
@@ -15,6 +16,7 @@ import pytest
 
 import bagstore
 from bagstore.errors import ConfigurationError
+from bagstore.sharding.failover import add_replica
 from tests import servers
 from tests.replication import (
     APP_PASSWORD,
@@ -144,5 +146,25 @@ def test_sigkill_the_primary_under_two_writers(group: ReplicationGroup) -> None:
     # it is refused as a target: it must be rebuilt first
     with pytest.raises(ConfigurationError, match="refused"):
         admin.failover(0, to=group.primary.addr)
+    # rebuilt from a copy of a replica's data (as from mariadb-backup), it is a
+    # replica again once it replicates read-only from the new primary
+    with pytest.raises(ConfigurationError, match="must replicate from the primary"):
+        add_replica(admin.router, 0, group.primary.addr)
+    other = next(s for s in group.replicas if s is not new_primary)
+    other.terminate()
+    group.primary.terminate()
+    shutil.rmtree(group.primary.datadir)
+    shutil.copytree(other.datadir, group.primary.datadir)
+    other.restart()
+    group.primary.restart()
+    for server in (other, group.primary):
+        server.sql("SET GLOBAL read_only = ON")
+        server.sql("START SLAVE")
+    done = add_replica(admin.router, 0, group.primary.addr)
+    assert done["epoch"] > 1
+    role = admin.router.replication.role_of(admin.router.backends[0])
+    assert role is not None and group.primary.addr in role.replicas and not role.retired
+    group.primary.wait_for(new_primary.gtid())
+    assert group.primary.one(f"SELECT COUNT(*) FROM {table} WHERE id = %s", (marks[0],)) == 1
     for ds in (admin, reader, stale_root, stale_app):
         ds.close()

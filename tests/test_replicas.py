@@ -304,3 +304,80 @@ def test_cli_failover_and_status(group: ReplicationGroup, db: str, tmp_path: Pat
         back = run("shard", "failover", "0", "--to", group.primary.addr, *args)
         assert back.exit_code == 0, back.output
     group.sync()
+
+
+def test_the_catalog_fails_over_by_the_command(group: ReplicationGroup, db: str) -> None:
+    """The catalog on the replicated servers, the shard elsewhere (the main
+    MariaDB): ``failover("catalog")`` moves it; processes follow."""
+    from tests.conftest import MYSQL
+
+    shard_db = servers.unique_name("repl_shard")
+    shard = f"mysql://root@{MYSQL.host}:{MYSQL.port}/{shard_db}"
+    options = {"replication_user": REPL_USER, "replication_password": REPL_PASSWORD}
+    ds = bagstore.Datastore([shard], catalog=group.url(db))
+    other = bagstore.Datastore([shard], catalog=group.url(db))
+    try:
+        entity_id = ds.put({"n": 1})
+        target = group.replicas[0].addr
+        done = ds.failover("catalog", to=target, **options)
+        assert done["shard"] == "catalog" and done["primary"] == target
+        assert ds.catalog.backend.server == target
+        assert other.refresh_placement(force=True).version >= done["epoch"]
+        assert other.catalog.backend.server == target  # its connection was closed: it looked
+        with bagstore.Datastore([shard], catalog=group.url(db)) as fresh:
+            assert fresh.get(entity_id)["n"] == 1
+            assert fresh.catalog.backend.server == target
+        ds.failover("catalog", to=group.primary.addr, **options)
+    finally:
+        ds.close()
+        other.close()
+        servers.drop_databases(MYSQL.host, MYSQL.port, [shard_db])
+
+
+def test_the_examples_in_docs_replication_md_run(group: ReplicationGroup, db: str) -> None:
+    """The page's Python blocks as written, on this module's servers (db1,
+    db1r, db1s), as the application's non-privileged user, with root as the
+    administrative login; the primary switched back afterwards."""
+    import re
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "replication.md"
+    code = "\n".join(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+    primary, r1, r2 = (s.addr for s in group.servers)
+    for written, real in [
+        ("db1r:3306", r1), ("db1s:3306", r2), ("db1:3306", primary),
+        ("mysql://app@", f"mysql://{APP_USER}:{APP_PASSWORD}@"), ("app_0", db),
+        ('user="admin"', 'user="root"'), ('"admin-secret"', '""'),
+        ('"repl-secret"', repr(REPL_PASSWORD)),
+        ('replication_user="repl"', f"replication_user={REPL_USER!r}"),
+    ]:  # fmt: skip
+        assert written in code
+        code = code.replace(written, real)
+    namespace: dict[str, Any] = {}
+    exec(compile(code, str(page), "exec"), namespace)
+    ds = namespace["ds"]
+    try:
+        assert namespace["done"]["primary"] == r1
+        assert set(namespace["reads"]) <= {r1, r2}
+        options = {"replication_user": REPL_USER, "replication_password": REPL_PASSWORD}
+        ds.failover(0, to=primary, user="root", password="", **options)
+    finally:
+        ds.close()
+
+
+def test_the_replicas_toml_of_docs_configuration_md_reads(tmp_path: Path) -> None:
+    """docs/configuration.md's TOML with replicas names them alike both ways."""
+    import re
+
+    from bagstore.config import read_config, shard_url
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    (block,) = [
+        b for b in re.findall(r"```toml\n(.*?)```", page.read_text(), re.S) if "replica" in b
+    ]
+    path = tmp_path / "app.toml"
+    path.write_text(block)
+    section = read_config(path)
+    urls = [shard_url(s) for s in section["shards"]]
+    assert urls[0] == "mysql://app@db1:3306/app_0?replica=db1r:3306&replica=db1s:3306"
+    assert urls[1].endswith("?replica=db2r:3306&replica=db2s:3306")
+    assert (section["read_from"], section["max_lag"]) == ("replica", 5)

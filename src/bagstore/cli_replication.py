@@ -18,10 +18,10 @@ from rich.table import Table
 
 from bagstore.cli import CliError, _out, _print_json, _store
 from bagstore.cli_ops import shard_group
-from bagstore.sharding.failover import failover
+from bagstore.sharding.failover import add_replica, failover
 from bagstore.sharding.replicas import servers_status
 
-__all__ = ["replication_table", "shard_failover"]
+__all__ = ["replication_table", "shard_add_replica", "shard_failover", "shard_watch"]
 
 log = logging.getLogger("bagstore.replication")
 
@@ -68,6 +68,23 @@ def shard_failover(
     _out().print(
         f"shard {escape(done['shard'])}: {kind} from {escape(done['old_primary'])} to "
         f"{escape(done['primary'])} (epoch {done['epoch']}, {done['seconds']:.2f} s)"
+    )
+
+
+@shard_group.command("add-replica")
+@click.argument("shard")
+@click.argument("address", metavar="HOST:PORT")
+@click.option("--user", default=None, help="Administrative login (default: the shard's own).")
+@click.pass_context
+def shard_add_replica(ctx: click.Context, shard: str, address: str, user: str | None) -> None:
+    """Record HOST:PORT as a replica of SHARD again (a rebuilt old primary): it
+    must replicate from the primary and be read-only.  Password:
+    BAGSTORE_ADMIN_PASSWORD."""
+    ds = _store(ctx)
+    password = os.environ.get("BAGSTORE_ADMIN_PASSWORD") if user else None
+    done = add_replica(ds.router, shard, address, user=user, password=password)
+    _out().print(
+        f"shard {escape(done['shard'])}: {escape(address)} is a replica (epoch {done['epoch']})"
     )
 
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from bagstore.backends.replication import Role
     from bagstore.sharding.router import Router
 
-__all__ = ["failover", "find_shard"]
+__all__ = ["add_replica", "failover", "find_shard"]
 
 log = logging.getLogger("bagstore.replication")
 
@@ -227,3 +227,43 @@ def _record(router: Router, name: str, role: Role) -> None:
     catalog.set_meta(RECORD + name, record_json(role))
     version = max(role.epoch, catalog.placement_version() + 1)
     catalog.set_meta("placement_version", str(version))
+
+
+def add_replica(
+    router: Router,
+    shard: int | str,
+    address: str,
+    *,
+    user: str | None = None,
+    password: str | None = None,
+) -> dict[str, Any]:
+    """Record ``address`` (a rebuilt old primary, or a new server) as a replica
+    of the shard, at the next epoch: it must already replicate from the
+    primary and be read-only (docs/replication.md, "Rebuilding")."""
+    from bagstore.backends.replication import Role, Servers
+
+    started = time.monotonic()
+    name, backend = find_shard(router, shard)
+    address = _address(address)
+    role, _, reachable = router.replication.discover(backend)
+    if not reachable:
+        raise ConfigurationError(f"the primary of shard {name} ({role.primary}) cannot be reached")
+    servers = Servers(backend, user=user, password=password)
+    source = servers.source_of(address)
+    read_only = servers.role(address)[1]
+    if source != role.primary or not read_only:
+        raise ConfigurationError(
+            f"{address} must replicate from the primary {role.primary} (it replicates from "
+            f"{source or 'nothing'}) and be read-only (it is {'' if read_only else 'not '}"
+            "read-only) before it is a replica"
+        )
+    shared = backend is router.catalog.backend
+    epoch = max(role.epoch, 0 if shared else router.catalog.placement_version()) + 1
+    new = Role(
+        epoch,
+        role.primary,
+        (*[r for r in role.replicas if r != address], address),
+        tuple(r for r in role.retired if r != address),
+    )
+    servers.write_role(role.primary, new)
+    return _finish(router, name, backend, new, role.primary, True, started)

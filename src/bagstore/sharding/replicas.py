@@ -267,10 +267,13 @@ class Replication:
         for i in range(n):
             reader = readers[(start + i) % n]
             address = str(reader.server)
-            if self._down.get(address, 0.0) > time.monotonic() or not self._fresh(reader):
+            if self._down.get(address, 0.0) > time.monotonic():
                 self._count("skipped")
                 continue
             try:
+                if not self._fresh(reader):
+                    self._count("skipped")
+                    continue
                 if position and not self._has(address, position):
                     self._count("waits")
                     if not reader.gtid_wait(position, self.wait_timeout):
@@ -291,7 +294,8 @@ class Replication:
 
     def _fresh(self, reader: MySQLBackend) -> bool:
         """Whether a replica is within ``max_lag`` (measured at most every
-        half second; an unknown lag, replication stopped, is too far)."""
+        half second; an unknown lag, replication stopped, is too far).  The
+        login needs the SLAVE MONITOR privilege (``SHOW SLAVE STATUS``)."""
         if self.max_lag is None:
             return True
         address = str(reader.server)
