@@ -95,7 +95,12 @@ class Reads:
         if (read_from or router.replication.read_from) != "primary":
             mode = self.mode(read_from)
             if mode == "replica" and self.uncached():
-                return self.get_many([entity_id], mode)[0]
+                if self.placer.keyed:  # the bucket from a lookup (on the primary)
+                    return self.get_many([entity_id], mode)[0]
+                topology = router.topology
+                shard = topology.shard_of_bucket[bucket_of(entity_id, topology.buckets)]
+                body = router.read_on(shard, lambda b: b.get_body(self.kind, entity_id), mode)
+                return None if body is None else codec.decode(body)
         if self.direct and _current_request.get() is None:
             # No cache level to consult and the id alone names the bucket:
             # one statement on one shard.
