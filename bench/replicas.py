@@ -147,9 +147,7 @@ def read_rows(group: Any, db: str, quick: bool, rounds: int) -> list[Row]:
     results = [compare(w, "mariadb", rounds=rounds, seconds=seconds) for w in works]
     rows = [
         Row(f"reads: {r.work}", r.bag_rate, r.raw_rate, goal=goal)
-        for r, goal in zip(
-            results, [">= 0.7x raw", ">= 0.7x raw (one host)", "measured"], strict=True
-        )
+        for r, goal in zip(results, ["— (issue 23 sets none)", "—", "—"], strict=True)
     ]
     stats = replica.stats()
     rows.append(
@@ -157,7 +155,7 @@ def read_rows(group: Any, db: str, quick: bool, rounds: int) -> list[Row]:
             "reads: 2 replicas / primary alone (bagstore)",
             results[1].bag_rate,
             results[0].bag_rate,
-            goal="> 1x on separate hosts",
+            goal="> 1x (separate hosts)",
         )
     )
     fallbacks = stats["replicas"]["fallbacks"]
@@ -245,7 +243,7 @@ def failover_rows(group: Any, db: str, catalog: str) -> list[Row]:
     ds.failover(0, **options)
     down = writer.first_after(killed)
     rows.append(Row("unplanned failover (command): writes unavailable", down, None,
-                    goal="seconds", unit=" s"))  # fmt: skip
+                    goal="measured", unit=" s"))  # fmt: skip
     # unplanned, by the watcher: the one left beside the new primary
     role = ds.router.replication.role_of(ds.router.backends[0])
     assert role is not None
@@ -263,7 +261,7 @@ def failover_rows(group: Any, db: str, catalog: str) -> list[Row]:
         stop.set()
         thread.join()
     rows.append(Row("unplanned failover (watcher, 3 x 0.2 s probes): writes unavailable", down,
-                    None, goal="seconds", unit=" s"))  # fmt: skip
+                    None, goal="measured", unit=" s"))  # fmt: skip
     writer.close()
     writer.ds.close()
     ds.close()

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -75,6 +76,56 @@ def _lines(proc: subprocess.Popen[str], until: Any, timeout: float = 60) -> list
         if time.monotonic() > deadline:
             raise AssertionError(f"writer too slow: {lines[-5:]}")
     return lines
+
+
+def test_semi_sync_falling_back_to_async_is_surfaced(group: ReplicationGroup) -> None:
+    """No replica acknowledges in time: MariaDB goes on asynchronously and
+    says nothing; ``bagstore status`` says it, and logs it."""
+    from click.testing import CliRunner
+
+    from bagstore.cli import cli
+
+    db = servers.unique_name("semisync")
+    with bagstore.Datastore([group.url(db)]) as ds:
+        ds.put({"n": 1})
+        assert _semi_sync(ds)["enabled"] and _semi_sync(ds)["active"]
+        group.primary.sql("SET GLOBAL rpl_semi_sync_master_timeout = 100")
+        for r in group.replicas:
+            r.sql("STOP SLAVE IO_THREAD")
+        try:
+            ds.put({"n": 2})  # waits 100 ms for an acknowledgement, then goes on
+            assert _semi_sync(ds)["enabled"] and not _semi_sync(ds)["active"]
+            result = CliRunner().invoke(
+                cli, ["--config", _config(group, db), "status"], catch_exceptions=False
+            )
+            assert result.exit_code == 0
+            assert "fell back to async" in result.output
+            assert "fell back to asynchronous" in result.output  # the warning, on stderr
+        finally:
+            for r in group.replicas:
+                r.sql("START SLAVE IO_THREAD")
+            group.primary.sql("SET GLOBAL rpl_semi_sync_master_timeout = 10000")
+        group.sync()
+        deadline = time.monotonic() + 10
+        while not _semi_sync(ds)["active"]:
+            ds.put({"n": 3})  # the next acknowledged commit turns it back on
+            assert time.monotonic() < deadline
+    group.drop([db])
+
+
+def _semi_sync(ds: bagstore.Datastore) -> dict[str, Any]:
+    from bagstore.sharding.replicas import servers_status
+
+    states = servers_status(ds.router)
+    return dict(next(s for s in states if s["role"] == "primary")["semi_sync"])
+
+
+def _config(group: ReplicationGroup, db: str) -> str:
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "app.toml"
+    path.write_text(f'[bagstore]\nshards = ["{group.url(db)}"]\n')
+    return str(path)
 
 
 def _acked_after(lines: list[Any], moment: float) -> int:
