@@ -147,6 +147,11 @@ def test_bad_read_options_are_refused(group: ReplicationGroup, db: str, tmp_path
             ds.failover(7, to=group.replicas[0].addr)
         with pytest.raises(ConfigurationError, match="not a replica"):
             ds.failover(0, to="127.0.0.1:1")
+        from bagstore.sharding.failover import find_shard
+
+        # a shard by its URL as configured, or its name in `bagstore shard list`
+        assert find_shard(ds.router, group.url(db))[0] == "0"
+        assert find_shard(ds.router, ds.shards[0])[0] == "0"
         assert ds.get(entity_id)["n"] == 1  # nothing changed
 
 
@@ -381,3 +386,35 @@ def test_the_replicas_toml_of_docs_configuration_md_reads(tmp_path: Path) -> Non
     assert urls[0] == "mysql://app@db1:3306/app_0?replica=db1r:3306&replica=db1s:3306"
     assert urls[1].endswith("?replica=db2r:3306&replica=db2s:3306")
     assert (section["read_from"], section["max_lag"]) == ("replica", 5)
+
+
+def test_doctests_of_the_replication_modules() -> None:
+    import doctest
+
+    from bagstore.backends import mysql, replication
+    from bagstore.sharding import failover, replicas, watch
+
+    attempted = 0
+    for module in (mysql, replication, replicas, failover, watch):
+        failed, tried = doctest.testmod(module)
+        assert failed == 0, module.__name__
+        attempted += tried
+    assert attempted >= 6
+
+
+def test_bad_watcher_options_are_refused() -> None:
+    from bagstore.sharding.watch import Watcher
+
+    with _sqlite() as ds:
+        for bad in ({"interval": 0}, {"failures": 0}, {"lease": -1}, {"failures": 1.5}):
+            with pytest.raises(ConfigurationError, match="watch needs"):
+                Watcher(ds.router, **bad)
+        assert Watcher(ds.router).shards() == []  # nothing replicated to watch
+        with pytest.raises(ConfigurationError, match="has no replicas"):
+            ds.failover(0, to="127.0.0.1:1")
+
+
+def _sqlite() -> bagstore.Datastore:
+    import tempfile
+
+    return bagstore.open(tempfile.mkdtemp(), shards=1)

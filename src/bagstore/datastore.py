@@ -323,8 +323,7 @@ class Datastore:
 
     # -- reads (bagstore.reads) ----------------------------------------------------
     def get(self, entity_id: bytes, *, read_from: str | None = None) -> dict[str, Any] | None:
-        """The entity with this id, or None (``read_from``: "primary" or
-        "replica", default the datastore's; docs/replication.md)."""
+        """The entity with this id, or None (``read_from``: docs/replication.md)."""
         if type(entity_id) is not bytes or len(entity_id) != 16:
             check_id(entity_id, InvalidQuery)
         return self._reads.get(entity_id, read_from)
@@ -451,8 +450,7 @@ class Datastore:
         return Mover(self).migrate_key(value, to_bucket, wait=wait)
 
     def failover(self, shard: int | str, *, to: str | None = None, **options: Any) -> Any:
-        """Make replica ``to`` a shard's primary (see docs/replication.md and
-        :func:`bagstore.sharding.failover.failover`)."""
+        """Make replica ``to`` a shard's primary (docs/replication.md)."""
         return failover(self.router, shard, to=to, **options)
 
     # -- ids -----------------------------------------------------------------------
@@ -532,7 +530,8 @@ class Datastore:
         ``frozen_waits`` (5 ms waits for a bucket frozen by a move),
         ``full_reads`` (whole placements read from the catalog) and
         ``bucket_reads`` (refusals answered by reading only the refused
-        buckets' shards).
+        buckets' shards); ``"reads"`` per server and ``"replicas"`` (see
+        docs/replication.md).
 
             >>> import bagstore, tempfile
             >>> ds = bagstore.open(tempfile.mkdtemp(), shards=2)
@@ -540,11 +539,8 @@ class Datastore:
             {'refused': 0, 'frozen_waits': 0, 'full_reads': 0, 'bucket_reads': 0}
             >>> ds.close()
         """
-        return {
-            **self.cache_layer.stats.as_dict(),
-            "placement": self.router.counts(),
-            **self.router.replication.stats(),  # "reads" per server, "replicas"
-        }
+        replicas = self.router.replication.stats()  # "reads" per server, "replicas"
+        return {**self.cache_layer.stats.as_dict(), "placement": self.router.counts(), **replicas}
 
     def close(self) -> None:
         """Close every connection; the datastore cannot be used afterwards."""

@@ -698,7 +698,13 @@ def _lenenc(data: bytes, at: int) -> tuple[bytes, int]:
 
 def _last_gtid(data: bytes) -> str:
     """``last_gtid`` from an OK packet's tail (info, then session state
-    changes: type 0 = a system variable, name and value)."""
+    changes: type 0 = a system variable, name and value); '' if absent.
+
+    >>> _last_gtid(b"\\x00\\x15\\x00\\x13\\tlast_gtid\\x080-1-4006")
+    '0-1-4006'
+    >>> _last_gtid(b""), _last_gtid(b"\\x00\\x05\\x00\\x03\\x01a\\x00")
+    ('', '')
+    """
     try:
         _, at = _lenenc(data, 0)
         state, _ = _lenenc(data, at)

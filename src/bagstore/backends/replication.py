@@ -39,7 +39,12 @@ _ROLE_TABLE = (
 @dataclass(frozen=True)
 class Role:
     """Where a shard's primary is, as of ``epoch``: its primary, its replicas,
-    and the old primaries refused since (``retired``)."""
+    and the old primaries refused since (``retired``).
+
+    >>> role = Role(3, "db1r:3306", ("db1s:3306", "db1:3306"))
+    >>> Role.from_json(3, role.to_json()) == role, role.servers[0]
+    (True, 'db1r:3306')
+    """
 
     epoch: int
     primary: str
@@ -355,7 +360,11 @@ class Servers:
 
 def ahead(a: str, b: str) -> bool:
     """Whether GTID position ``a`` is past ``b`` (per replication domain,
-    the highest sequence number; a domain missing counts as 0)."""
+    the highest sequence number; a domain missing counts as 0).
+
+    >>> ahead("0-1-12", "0-2-9"), ahead("0-1-9", "0-1-9"), ahead("0-1-9,1-2-3", "0-1-9")
+    (True, False, True)
+    """
     pa, pb = seqs(a), seqs(b)
     domains = set(pa) | set(pb)
     return any(pa.get(d, 0) > pb.get(d, 0) for d in domains) and all(
@@ -364,7 +373,11 @@ def ahead(a: str, b: str) -> bool:
 
 
 def seqs(position: str) -> dict[str, int]:
-    """``{domain: seq_no}`` of a GTID position ``"0-1-5,1-2-9"``."""
+    """``{domain: seq_no}`` of a GTID position.
+
+    >>> seqs("0-1-5,1-2-9")
+    {'0': 5, '1': 9}
+    """
     out: dict[str, int] = {}
     for gtid in filter(None, (p.strip() for p in position.split(","))):
         domain, _, rest = gtid.partition("-")
