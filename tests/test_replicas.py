@@ -418,3 +418,23 @@ def _sqlite() -> bagstore.Datastore:
     import tempfile
 
     return bagstore.open(tempfile.mkdtemp(), shards=1)
+
+
+def test_a_switchover_to_a_replica_that_lags_is_abandoned(group: ReplicationGroup, db: str) -> None:
+    options = {"replication_user": REPL_USER, "replication_password": REPL_PASSWORD}
+    with _open(group, db) as ds, _open(group, db) as other:
+        ds.put({"n": 1})
+        group.sync()
+        target = group.replicas[0]
+        target.sql("STOP SLAVE SQL_THREAD")
+        try:
+            ds.put({"n": 2})  # the target cannot apply it
+            with pytest.raises(ConfigurationError, match="abandoned"):
+                ds.failover(0, to=target.addr, timeout=0.3, **options)
+        finally:
+            target.sql("START SLAVE SQL_THREAD")
+        assert not group.primary.one("SELECT @@read_only")
+        entity_id = other.put({"n": 3})  # its connection was closed; it looks, stays
+        assert ds.put({"n": 4}) and other.get(entity_id)["n"] == 3
+        assert other.router.backends[0].server == group.primary.addr
+        assert ds.router.backends[0].server == group.primary.addr

@@ -52,7 +52,10 @@ def find_shard(router: Router, shard: int | str) -> tuple[str, MySQLBackend]:
     backends = router.backends
     found: tuple[str, Backend] | None = None
     if shard == "catalog":
-        found = ("catalog", router.catalog.backend)
+        catalog = router.catalog.backend
+        # (the catalog in a shard's database is that shard: one role, one record)
+        shared = [str(no) for no, b in enumerate(backends) if b is catalog]
+        found = (shared[0] if shared else "catalog", catalog)
     elif isinstance(shard, int) and not isinstance(shard, bool):
         if 0 <= shard < len(backends):
             found = (str(shard), backends[shard])
@@ -146,7 +149,8 @@ def failover(
             return _finish(router, name, backend, new, old, True, started)
         position = servers.fence(old, new)
         if not servers.gtid_wait(target, position, timeout):
-            servers.write_role(old, role)  # undo: the old primary stays
+            # undo, at the next epoch again: the old primary stays
+            servers.write_role(old, Role(epoch + 1, old, role.replicas, role.retired))
             servers._run(old, [("SET GLOBAL read_only = OFF", ())])
             raise ConfigurationError(
                 f"{target} did not reach the primary's position {position} within "

@@ -178,15 +178,16 @@ class Replication:
                 said[address] = servers.role(address)
             except BackendError:
                 continue
-        best = known
-        for role, _ in said.values():
-            if role is not None and role.epoch > best.epoch:
-                best = role
+        heard = [role for role, _ in said.values() if role is not None]
         record = self._catalog_record(backend)
-        if record is not None and record.epoch > best.epoch:
-            best = record
-        if best.epoch == 0 and not any(r for r, _ in said.values()):
+        if record is not None:
+            heard.append(record)
+        if heard:  # the highest epoch any server (or the catalog) holds
+            best = max(heard, key=lambda role: role.epoch)
+        elif said:  # servers answered, none has a role row: no failover yet
             best = Role(0, self._configured[key][0], self._configured[key][1:])
+        else:  # nobody answered: keep what was known
+            best = known
         answer = said.get(best.primary)
         if answer is None:
             return best, False, False

@@ -116,9 +116,9 @@ class Router:
         #: the replicated shards: where their primaries are, replica reads
         self.replication = opener.replication
         self.replication.catalog = catalog
-        self.replication.name(catalog.backend, "catalog")
         for no, backend in enumerate(backends):
             self.replication.name(backend, str(no))
+        self.replication.name(catalog.backend, "catalog")  # (unless it is a shard's)
         self.parallel = self._fan_out()
         #: when the placement's version was last compared with the catalog's
         self.checked_at = time.monotonic()
