@@ -290,6 +290,9 @@ def test_cli_failover_and_status(group: ReplicationGroup, db: str, tmp_path: Pat
     import json
 
     roles = {s["server"]: s["role"] for s in json.loads(result.stdout)["replication"]}
+    status_keys = {
+        f"replication[].{k}" for s in json.loads(result.stdout)["replication"] for k in s
+    }
     assert roles == {group.primary.addr: "primary", **{r.addr: "replica" for r in group.replicas}}
     bad = run("shard", "failover", "0", "--to", "nohost")
     assert bad.exit_code == 2 and "error:" in bad.output and "host:port" in bad.output
@@ -298,6 +301,11 @@ def test_cli_failover_and_status(group: ReplicationGroup, db: str, tmp_path: Pat
     result = run("shard", "failover", "0", "--to", target, *args)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["primary"] == target
+    from tests.test_cli_json import DOCUMENTED, ELSEWHERE
+
+    assert "shard failover" in ELSEWHERE  # its keys are checked here, as docs/cli.md has them
+    assert set(json.loads(result.stdout)) == set(DOCUMENTED["shard failover"])
+    assert status_keys <= set(DOCUMENTED["status"])
     try:
         roles = {
             s["server"]: s["role"]
