@@ -651,6 +651,9 @@ class MySQLBackend(Backend):
         if code == _READ_ONLY and self._track:
             self.suspect = True  # fenced (a switchover): look for the primary again
             return True
+        if not code and isinstance(exc, self._driver.InterfaceError):
+            # the rollback after a lost connection found it closed: the loss counts
+            return self.is_retryable(exc.__context__) if exc.__context__ is not None else False
         return code in _DEADLOCK or code in _LOST
 
 
