@@ -74,7 +74,10 @@ def test_two_watchers_exactly_one_fails_over(group: ReplicationGroup, tmp_path: 
                 time.sleep(0.02)
             elapsed = time.monotonic() - started
             # a few more rounds of both: the new primary answers, nothing more happens
-            time.sleep(0.5)
+            rounds = [w.rounds for w in watchers]
+            while any(w.rounds < r + 5 for w, r in zip(watchers, rounds, strict=True)):
+                assert time.monotonic() < deadline + 30
+                time.sleep(0.02)
         finally:
             stop.set()
             for t in threads:

@@ -67,6 +67,8 @@ class Watcher:
         self._missed: dict[str, int] = {}
         #: failovers this watcher ran (what :func:`failover` returned)
         self.done: list[dict[str, Any]] = []
+        #: rounds run so far
+        self.rounds = 0
 
     # -- the lease -------------------------------------------------------------------------
     def hold(self) -> bool:
@@ -108,6 +110,7 @@ class Watcher:
         from bagstore.backends.replication import Servers
         from bagstore.sharding.failover import failover
 
+        self.rounds += 1
         try:
             if not self.hold():
                 self._missed.clear()
