@@ -446,3 +446,23 @@ def test_a_switchover_to_a_replica_that_lags_is_abandoned(group: ReplicationGrou
         assert ds.put({"n": 4}) and other.get(entity_id)["n"] == 3
         assert other.router.backends[0].server == group.primary.addr
         assert ds.router.backends[0].server == group.primary.addr
+
+
+def test_replication_commands_refuse_bad_input(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from bagstore.cli import cli
+
+    store = str(tmp_path / "s")
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--store", store, "init", "--shards", "1"]).exit_code == 0
+    for args, says in [
+        (["shard", "watch"], "no replicated shard"),
+        (["shard", "failover", "0", "--to", "127.0.0.1:1"], "has no replicas"),
+        (["shard", "failover", "9"], "no shard"),
+        (["shard", "add-replica", "0", "nohost"], "has no replicas"),
+        (["shard", "watch", "--failures", "0"], "--failures"),
+    ]:
+        result = runner.invoke(cli, ["--store", store, *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert says in result.output and "Traceback" not in result.output

@@ -583,10 +583,13 @@ class MySQLBackend(Backend):
                 conn.tracked_gtid = ""
                 self.note_gtid(gtid)
         else:  # mysqlclient reports no session state: ask (a write may have committed)
-            cur = conn.cursor()
-            cur.execute("SELECT @@last_gtid")
-            gtid = cur.fetchone()[0]
-            cur.close()
+            try:
+                cur = conn.cursor()
+                cur.execute("SELECT @@last_gtid")
+                gtid = cur.fetchone()[0]
+                cur.close()
+            except self._driver.Error:
+                return  # (the connection's next use finds it broken)
             if gtid:
                 self.note_gtid(gtid.decode() if isinstance(gtid, bytes) else str(gtid))
 
