@@ -219,3 +219,37 @@ def test_sigkill_the_primary_under_two_writers(group: ReplicationGroup) -> None:
     assert group.primary.one(f"SELECT COUNT(*) FROM {table} WHERE id = %s", (marks[0],)) == 1
     for ds in (admin, reader, stale_root, stale_app):
         ds.close()
+
+
+def test_without_semi_sync_an_acknowledged_write_can_be_lost(group: ReplicationGroup) -> None:
+    """What docs/replication.md says can be lost without semi-sync (here: after
+    it fell back to asynchronous): a write acknowledged while no replica
+    received it is not on the promoted replica; it stays in the old primary's
+    data, which is retired, never repointed."""
+    db = servers.unique_name("async_loss")
+    options = {"replication_user": REPL_USER, "replication_password": REPL_PASSWORD}
+    with bagstore.Datastore([group.url(db)]) as probe:  # where the primary is now
+        role = probe.router.replication.role_of(probe.router.backends[0])
+    assert role is not None
+    primary = next(s for s in group.servers if s.addr == role.primary)
+    replicas = [s for s in group.servers if s.addr in role.replicas and s.running]
+    with bagstore.Datastore([group.url(db)]) as ds:
+        kept = ds.put({"n": 1})
+        for r in replicas:
+            r.wait_for(primary.gtid())
+            r.sql("STOP SLAVE IO_THREAD")
+        primary.sql("SET GLOBAL rpl_semi_sync_master_timeout = 100")
+        lost = ds.put({"n": 2})  # acknowledged after 100 ms, asynchronously
+        primary.kill()
+        for r in replicas:
+            r.sql("START SLAVE IO_THREAD")
+        done = ds.failover(0, **options)
+        assert not done["planned"] and done["old_primary"] == primary.addr
+        assert ds.get(kept) is not None
+        assert ds.get(lost) is None  # acknowledged, and lost
+    primary.restart()
+    table = f"{servers.quote_ident(db)}.entities"
+    assert primary.one(f"SELECT COUNT(*) FROM {table} WHERE id = %s", (lost,)) == 1
+    with bagstore.Datastore([group.url(db)]) as fresh:  # the old primary is not chosen
+        assert fresh.router.backends[0].server == done["primary"]
+        assert fresh.get(lost) is None

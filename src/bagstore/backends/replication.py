@@ -160,9 +160,17 @@ class Servers:
             try:
                 return b.run(work, attempts=1)
             except BackendError as exc:
-                if b._code(exc.__cause__) == _NO_DATABASE:  # a new store: nothing said yet
-                    return None, False
-                raise
+                if b._code(exc.__cause__) != _NO_DATABASE:
+                    raise
+            # a new store: no role yet; only whether the server is read-only
+            other = self.backend.sibling(
+                address, user=self.user, password=self.password, database="mysql", **self._quick
+            )
+            try:
+                rows = other.fetchall("SELECT @@global.read_only")
+            finally:
+                other.close()
+            return None, bool(int(rows[0][0]))
         finally:
             b.close()
 

@@ -184,8 +184,17 @@ class Replication:
             heard.append(record)
         if heard:  # the highest epoch any server (or the catalog) holds
             best = max(heard, key=lambda role: role.epoch)
-        elif said:  # servers answered, none has a role row: no failover yet
-            best = Role(0, self._configured[key][0], self._configured[key][1:])
+        elif said:  # servers answered, none has a role row: no failover of this database
+            configured = self._configured[key]
+            writable = [a for a, (_, read_only) in said.items() if not read_only]
+            first = configured[0]
+            if first in said and said[first][1] and len(writable) == 1:
+                # (a new database on servers whose primary moved since the
+                # configuration was written: the one writable server)
+                first = writable[0]
+            best = Role(0, first, tuple(a for a in configured if a != first))
+            if not writable and known.primary not in said:
+                best = known  # the primary known is down: not another one by default
         else:  # nobody answered: keep what was known
             best = known
         answer = said.get(best.primary)
