@@ -164,7 +164,11 @@ class Servers:
                     raise
             # a new store: no role yet; only whether the server is read-only
             other = self.backend.sibling(
-                address, user=self.user, password=self.password, database="mysql", **self._quick
+                address,
+                user=self.user,
+                password=self.password,
+                database="information_schema",
+                **self._quick,
             )
             try:
                 rows = other.fetchall("SELECT @@global.read_only")
