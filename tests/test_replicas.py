@@ -399,11 +399,11 @@ def test_the_replicas_toml_of_docs_configuration_md_reads(tmp_path: Path) -> Non
 def test_doctests_of_the_replication_modules() -> None:
     import doctest
 
-    from bagstore.backends import mysql, replication
+    from bagstore.backends import gtid, replication
     from bagstore.sharding import failover, replicas, watch
 
     attempted = 0
-    for module in (mysql, replication, replicas, failover, watch):
+    for module in (gtid, replication, replicas, failover, watch):
         failed, tried = doctest.testmod(module)
         assert failed == 0, module.__name__
         attempted += tried

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import importlib
 import math
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from bagstore.backends.base import Backend, Dialect, check_identifier
+from bagstore.backends.gtid import Gtids, tracking_connection
 from bagstore.backends.pool import Pool, in_long_statements
 from bagstore.backends.seqsql import MySQLSequenceSQL, SequenceSQL
 from bagstore.errors import (
@@ -77,7 +77,6 @@ _DUPLICATE = {1062}
 _UNKNOWN_DATABASE = 1049
 _UNKNOWN_VARIABLE = 1193
 _READ_ONLY = 1290  # the server runs with --read-only (a replica, or a fenced primary)
-_SESSION_STATE_CHANGED = 0x4000
 _SESSION_TRACK = 1 << 23  # client capability: session state in OK packets
 _MEDIUMBLOB_MAX = 16 * 1024 * 1024 - 1
 _ENGINE = "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
@@ -276,8 +275,8 @@ class MySQLBackend(Backend):
         self.suspect = False
         #: The role row a new connection must find (epoch), set by the router.
         self.epoch = 0
-        self._gtids: dict[str, tuple[int, str]] = {}  # domain -> (seq_no, GTID)
-        self._gtid_lock = threading.Lock()
+        #: the GTIDs this process committed here (the highest per domain)
+        self.gtids = Gtids()
         super().__init__(f"mysql://{user}@{host}:{port}/{database}", server=f"{host}:{port}")
         self.host, self.port, self.user, self.database = host, port, user, database
         self._password = password
@@ -298,7 +297,7 @@ class MySQLBackend(Backend):
         self._track = bool(replicas) and not replica
         self._tracking_class: Any = None
         if self._track and self._switchable:
-            self._tracking_class = _tracking_connection(self._driver)
+            self._tracking_class = tracking_connection(self._driver)
         self._pool: Pool[Any] = self._new_pool()
         self._limits_known = False
 
@@ -334,29 +333,6 @@ class MySQLBackend(Backend):
             settings.update(user=user, password=password or "")
         return MySQLBackend(host=host, port=int(port), replica=True, **settings)
 
-    def gtid_wait(self, position: str, timeout: float) -> bool:
-        """On a replica: whether it applied ``position`` within ``timeout`` s."""
-        rows = self.fetchall("SELECT MASTER_GTID_WAIT(%s, %s)", (position, timeout))
-        return bool(rows[0][0] == 0)
-
-    def replica_lag(self) -> float | None:
-        """On a replica: ``Seconds_Behind_Master`` (None: not replicating, its
-        SQL thread stopped or its primary unreachable)."""
-
-        def work(conn: Any) -> Any:
-            cur = conn.cursor()
-            try:
-                cur.execute("SHOW SLAVE STATUS")
-                row = cur.fetchone()
-                names = [d[0] for d in cur.description or ()]
-            finally:
-                cur.close()
-            return None if row is None else dict(zip(names, row, strict=True))
-
-        status = self.run(work)
-        lag = None if status is None else status.get("Seconds_Behind_Master")
-        return None if lag is None else float(lag)
-
     def retarget(self, address: str) -> None:
         """Send this shard's statements to another server from now on (the
         router's decision after a failover): connections to the old one are
@@ -368,22 +344,10 @@ class MySQLBackend(Backend):
         self._pool = self._new_pool()
         old.close()
 
-    def note_gtid(self, gtid: str) -> None:
-        """Remember a GTID this process committed here (the highest per domain)."""
-        domain, _, rest = gtid.partition("-")
-        seq = int(rest.rpartition("-")[2] or 0)
-        with self._gtid_lock:
-            known = self._gtids.get(domain)
-            if known is None or seq > known[0]:
-                self._gtids[domain] = (seq, gtid)
-
     def position(self) -> str:
         """The GTID position of this process's writes here ('' if none), for
         ``MASTER_GTID_WAIT`` on a replica."""
-        if not self._gtids:
-            return ""
-        with self._gtid_lock:
-            return ",".join(g for _, g in self._gtids.values())
+        return self.gtids.position()
 
     def int_column(self, table: str, key: str, value: str) -> list[int] | None:
         # One row instead of one per key: the catalog's bucket map (1,024 rows)
@@ -581,7 +545,7 @@ class MySQLBackend(Backend):
             gtid = conn.tracked_gtid
             if gtid:
                 conn.tracked_gtid = ""
-                self.note_gtid(gtid)
+                self.gtids.note(gtid)
         else:  # mysqlclient reports no session state: ask (a write may have committed)
             try:
                 cur = conn.cursor()
@@ -591,7 +555,7 @@ class MySQLBackend(Backend):
             except self._driver.Error:
                 return  # (the connection's next use finds it broken)
             if gtid:
-                self.note_gtid(gtid.decode() if isinstance(gtid, bytes) else str(gtid))
+                self.gtids.note(gtid.decode() if isinstance(gtid, bytes) else str(gtid))
 
     def _discard(self, conn: Any) -> None:
         if self._track:
@@ -662,69 +626,6 @@ class MySQLBackend(Backend):
 
 class _NotPrimary(ShardUnavailable):
     """A new connection found a server that is not (or no longer) the primary."""
-
-
-def _tracking_connection(driver: Any) -> Any:
-    """PyMySQL's connection class, remembering the ``last_gtid`` that MariaDB
-    reports in the OK packets of committed transactions (``tracked_gtid``)."""
-
-    class Tracking(driver.connections.Connection):  # type: ignore[misc]
-        tracked_gtid = ""
-
-        def _read_ok_packet(self) -> Any:  # COMMIT
-            ok = super()._read_ok_packet()
-            if ok.server_status & _SESSION_STATE_CHANGED:
-                self._track(ok.message)
-            return ok
-
-        def _read_query_result(self, unbuffered: bool = False) -> Any:
-            n = super()._read_query_result(unbuffered)
-            result = self._result
-            if result is not None and result.message and result.server_status & 0x4000:
-                self._track(result.message)
-            return n
-
-        def _track(self, data: bytes) -> None:
-            gtid = _last_gtid(data)
-            if gtid:
-                self.tracked_gtid = gtid
-
-    return Tracking
-
-
-def _lenenc(data: bytes, at: int) -> tuple[bytes, int]:
-    n = data[at]
-    if n < 0xFB:
-        return data[at + 1 : at + 1 + n], at + 1 + n
-    size = {0xFC: 2, 0xFD: 3, 0xFE: 8}[n]
-    n = int.from_bytes(data[at + 1 : at + 1 + size], "little")
-    start = at + 1 + size
-    return data[start : start + n], start + n
-
-
-def _last_gtid(data: bytes) -> str:
-    """``last_gtid`` from an OK packet's tail (info, then session state
-    changes: type 0 = a system variable, name and value); '' if absent.
-
-    >>> _last_gtid(b"\\x00\\x15\\x00\\x13\\tlast_gtid\\x080-1-4006")
-    '0-1-4006'
-    >>> _last_gtid(b""), _last_gtid(b"\\x00\\x05\\x00\\x03\\x01a\\x00")
-    ('', '')
-    """
-    try:
-        _, at = _lenenc(data, 0)
-        state, _ = _lenenc(data, at)
-        at = 0
-        while at < len(state):
-            kind = state[at]
-            item, at = _lenenc(state, at + 1)
-            if kind == 0:
-                name, rest = _lenenc(item, 0)
-                if name == b"last_gtid":
-                    return _lenenc(item, rest)[0].decode()
-    except (IndexError, KeyError, UnicodeDecodeError):
-        return ""
-    return ""
 
 
 def _timed_out(exc: BaseException) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 from bagstore.backends.mysql import MySQLBackend
 from bagstore.errors import BackendError, ConfigurationError
 
-__all__ = ["Role", "ServerState", "Servers"]
+__all__ = ["Role", "ServerState", "Servers", "ahead", "gtid_wait", "replica_lag", "seqs"]
 
 _NO_TABLE = 1146
 _NO_DATABASE = 1049
@@ -368,6 +368,32 @@ class Servers:
                 f"{address} did not apply what it received ({received}) within {timeout:g} s"
             )
         return _text(self._run(address, [("SELECT @@gtid_slave_pos", ())])[0][0])
+
+
+def gtid_wait(replica: MySQLBackend, position: str, timeout: float) -> bool:
+    """Whether ``replica`` applied ``position`` within ``timeout`` seconds (a
+    replica read that must show this process's writes)."""
+    rows = replica.fetchall("SELECT MASTER_GTID_WAIT(%s, %s)", (position, timeout))
+    return bool(rows[0][0] == 0)
+
+
+def replica_lag(replica: MySQLBackend) -> float | None:
+    """``Seconds_Behind_Master`` of a replica (None: not replicating, its SQL
+    thread stopped or its primary unreachable); needs SLAVE MONITOR."""
+
+    def work(conn: Any) -> Any:
+        cur = conn.cursor()
+        try:
+            cur.execute("SHOW SLAVE STATUS")
+            row = cur.fetchone()
+            names = [d[0] for d in cur.description or ()]
+        finally:
+            cur.close()
+        return None if row is None else dict(zip(names, row, strict=True))
+
+    status = replica.run(work)
+    lag = None if status is None else status.get("Seconds_Behind_Master")
+    return None if lag is None else float(lag)
 
 
 def ahead(a: str, b: str) -> bool:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from bagstore.backends import Backend
+from bagstore.backends.replication import gtid_wait, replica_lag
 from bagstore.errors import BackendError, ConfigurationError, ShardUnavailable
 
 if TYPE_CHECKING:
@@ -286,7 +287,7 @@ class Replication:
                     continue
                 if position and not self._has(address, position):
                     self._count("waits")
-                    if not reader.gtid_wait(position, self.wait_timeout):
+                    if not gtid_wait(reader, position, self.wait_timeout):
                         self._count("fallbacks")  # not there in time: the primary answers
                         break
                     self._reached[address] = _seqs(position)
@@ -312,7 +313,7 @@ class Replication:
         now = time.monotonic()
         at, lag = self._lags.get(address, (0.0, None))
         if now - at > LAG_FOR:
-            lag = reader.replica_lag()
+            lag = replica_lag(reader)
             self._lags[address] = (now, lag)
         return lag is not None and lag <= self.max_lag
 
