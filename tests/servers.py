@@ -353,6 +353,8 @@ def _tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+#: Other directories servers may keep their working directories in (see ``tmp_root``).
+_WORKDIR_ROOTS: Final[tuple[str, ...]] = ("/dev/shm",)
 _WORKDIR_RE: Final = re.compile(r"bst-[a-z-]+-(?P<pid>[0-9]+)-[A-Za-z0-9_]+")
 _stale_workdirs_removed = False
 
@@ -363,7 +365,8 @@ def _remove_stale_workdirs() -> None:
     if _stale_workdirs_removed:
         return
     _stale_workdirs_removed = True
-    for path in Path(tempfile.gettempdir()).glob("bst-*"):
+    roots = {tempfile.gettempdir(), *(r for r in _WORKDIR_ROOTS if os.path.isdir(r))}
+    for path in (p for root in roots for p in Path(root).glob("bst-*")):
         m = _WORKDIR_RE.fullmatch(path.name)
         if m is None or not path.is_dir() or path.stat().st_uid != os.geteuid():
             continue
@@ -391,6 +394,8 @@ class _ManagedServer:
     host: str = "127.0.0.1"
     _stop_signal: signal.Signals = signal.SIGTERM
     startup_timeout_s: float = 30.0
+    #: Where the working directory is made (None: the system's temp directory).
+    tmp_root: str | None = None
 
     def __init__(self, port: int | None = None, startup_timeout_s: float | None = None) -> None:
         self._port = port
@@ -448,7 +453,9 @@ class _ManagedServer:
             _live.add(self)
         if self._dir is None:
             _remove_stale_workdirs()
-            self._dir = Path(tempfile.mkdtemp(prefix=f"bst-{self.name}-{os.getpid()}-"))
+            self._dir = Path(
+                tempfile.mkdtemp(prefix=f"bst-{self.name}-{os.getpid()}-", dir=self.tmp_root)
+            )
             try:
                 self._prepare(self._dir)
             except BaseException:

@@ -328,9 +328,14 @@ def init(ctx: click.Context, shards: int | None, buckets: int | None, as_json: b
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Shards (name, buckets, entity count), bucket count and index states."""
+    from bagstore.cli_replication import replication_table, status_part
+
     ds = _store(ctx)
     report = ds.status()
     indexes = ds.indexes()
+    replicated = status_part(ds)  # each server's role, lag, semi-sync (docs/replication.md)
+    if replicated:
+        report["replication"] = replicated
     if as_json:
         report["indexes"] = [_index_doc(i, s) for _, (i, s) in sorted(indexes.items())]
         _print_json(report)
@@ -348,6 +353,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
     for s in report["shards"]:
         shards.add_row(str(s["shard"]), s["name"], str(s["buckets"]), str(s["entities"]))
     out.print(shards)
+    if replicated:
+        out.print(replication_table(replicated))
     if indexes:
         out.print(_index_table(indexes))
     else:
@@ -566,7 +573,7 @@ def check(ctx: click.Context, as_json: bool) -> None:
 
 
 # The operational commands (clean, shard, key, seq, bench) and the demo register on `cli`.
-from bagstore import cli_demo, cli_index, cli_ops  # noqa: E402, F401
+from bagstore import cli_demo, cli_index, cli_ops, cli_replication  # noqa: E402, F401
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -21,6 +21,17 @@ A sharded MariaDB/MySQL store::
     properties = ["user_id"]
     shard_on = "user_id"
 
+A shard (or the catalog) with replicas, as a table or in its URL (the same;
+docs/replication.md)::
+
+    [bagstore]
+    shards = [
+        { url = "mysql://app@db1:3306/app_0", replicas = ["db1r:3306", "db1s:3306"] },
+        "mysql://app@db2:3306/app_1?replica=db2r:3306",
+    ]
+    read_from = "replica"   # or "primary" (the default)
+    max_lag = 5             # seconds; replicas further behind are not read
+
 Passwords may be left out of the URLs and given in ``BAGSTORE_MYSQL_PASSWORD``.
 """
 
@@ -41,6 +52,7 @@ _KNOWN = {
     "path", "shards", "catalog", "buckets", "kind", "shard_key", "shard_map", "global_at", "index",
     "mysql_user", "mysql_password", "mysql_database", "sqlite_synchronous", "sequence_servers",
     "connect_timeout", "read_timeout", "write_timeout", "bulk_timeout", "max_body_bytes",
+    "read_from", "max_lag",
 }  # fmt: skip
 
 
@@ -105,9 +117,11 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Datastore:
         for k in ("catalog", "buckets", "kind", "shard_key", "shard_map", "global_at", "mysql_user",
                   "mysql_password", "mysql_database", "sqlite_synchronous", "sequence_servers",
                   "connect_timeout", "read_timeout", "write_timeout", "bulk_timeout",
-                  "max_body_bytes")
+                  "max_body_bytes", "read_from", "max_lag")
         if k in section
     }  # fmt: skip
+    if "catalog" in options:
+        options["catalog"] = shard_url(options["catalog"])
     options.update(overrides)
     seq = section.get("sequence_servers", [])
     if not isinstance(seq, list) or not all(isinstance(u, str) for u in seq):
@@ -118,6 +132,28 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Datastore:
             raise ConfigurationError("with path =, shards is a number of SQLite files")
         return open(section["path"], indexes=indexes, shards=shards, **options)
     shards = section.get("shards")
-    if not isinstance(shards, list) or not all(isinstance(u, str) for u in shards):
+    if not isinstance(shards, list):
         raise ConfigurationError('[bagstore] needs path = "dir/" or shards = ["url", ...]')
-    return Datastore(shards, indexes=indexes, **options)
+    return Datastore([shard_url(u) for u in shards], indexes=indexes, **options)
+
+
+def shard_url(entry: object) -> str:
+    """A shard as configured: its URL, or ``{url = "...", replicas = [...]}``
+    (the same URL with a ``replica=`` option per replica)."""
+    if isinstance(entry, str):
+        return entry
+    if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
+        raise ConfigurationError(
+            f'a shard is a URL or {{ url = "...", replicas = ["host:port", ...] }}, not {entry!r}'
+        )
+    unknown = set(entry) - {"url", "replicas"}
+    replicas = entry.get("replicas", [])
+    if unknown or not isinstance(replicas, list) or not all(isinstance(r, str) for r in replicas):
+        raise ConfigurationError(
+            f"bad shard {entry!r}: only url and replicas (a list of host:port) are known"
+        )
+    url = str(entry["url"])
+    if replicas and url.startswith("sqlite:"):
+        raise ConfigurationError(f"SQLite shard {url!r} cannot have replicas")
+    options = "&".join(f"replica={r}" for r in replicas)
+    return url + ("&" if "?" in url else "?") + options if options else url

@@ -34,7 +34,9 @@ from bagstore.queries import Queries
 from bagstore.query import QueryResult
 from bagstore.reads import Reads
 from bagstore.sharding.home import check_global, pin_home
+from bagstore.sharding.failover import failover
 from bagstore.sharding.placer import Placer
+from bagstore.sharding.replicas import Replication
 from bagstore.sharding.router import Router
 from bagstore.sharding.topology import ShardOpener
 from bagstore.writes import Writes, check_id
@@ -86,6 +88,8 @@ class Datastore:
         freeze_wait: float = 5.0,
         cache: object = None,
         cache_prefix: str | None = None,
+        read_from: str = "primary",
+        max_lag: float | None = None,
         _shard_names: Sequence[str] | None = None,
         _root: str | None = None,
     ) -> None:
@@ -110,7 +114,8 @@ class Datastore:
                 "bulk_timeout": bulk_timeout,
             },
         )
-        opener = ShardOpener(defaults, sqlite_synchronous, _root)
+        reads = Replication(read_from=read_from, max_lag=max_lag)  # docs/replication.md
+        opener = ShardOpener(defaults, sqlite_synchronous, _root, reads)
         self._closed = False
         backends: list[Backend] = []
         self._opened = backends  # closed by close() until the router owns them
@@ -324,18 +329,20 @@ class Datastore:
         return self._writes.delete([check_id(i, InvalidQuery) for i in ids])
 
     # -- reads (bagstore.reads) ----------------------------------------------------
-    def get(self, entity_id: bytes) -> dict[str, Any] | None:
-        """The entity with this id, or None."""
+    def get(self, entity_id: bytes, *, read_from: str | None = None) -> dict[str, Any] | None:
+        """The entity with this id, or None (``read_from``: docs/replication.md)."""
         if type(entity_id) is not bytes or len(entity_id) != 16:
             check_id(entity_id, InvalidQuery)
-        return self._reads.get(entity_id)
+        return self._reads.get(entity_id, read_from)
 
-    def get_many(self, ids: Iterable[bytes]) -> list[dict[str, Any] | None]:
+    def get_many(
+        self, ids: Iterable[bytes], *, read_from: str | None = None
+    ) -> list[dict[str, Any] | None]:
         """Entities in the order asked (None where missing); one query per shard,
         shards in parallel.  An id asked twice gives two separate dicts."""
         if isinstance(ids, bytes):
             raise InvalidQuery("get_many takes a list of ids, not one id")
-        return self._reads.get_many([check_id(i, InvalidQuery) for i in ids])
+        return self._reads.get_many([check_id(i, InvalidQuery) for i in ids], read_from)
 
     def fetch_many(self, ids: Iterable[bytes]) -> dict[bytes, Stored]:
         """``{id: Stored}`` (body, version, ``updated``) of the ids that exist, as
@@ -353,11 +360,13 @@ class Datastore:
         limit: int | None = None,
         cursor: str | None = None,
         allow_partial: bool = False,
+        read_from: str | None = None,
     ) -> QueryResult:
         """Run a query through one index (``Index.get_all`` calls this)."""
-        return self._queries.query_index(
-            index, filters, order=order, limit=limit, cursor=cursor, allow_partial=allow_partial
-        )
+        with self._reads.reading(read_from):
+            return self._queries.query_index(
+                index, filters, order=order, limit=limit, cursor=cursor, allow_partial=allow_partial
+            )
 
     def query(
         self,
@@ -365,6 +374,7 @@ class Datastore:
         order: str | None = None,
         limit: int | None = None,
         cursor: str | None = None,
+        read_from: str | None = None,
         **filters: Any,
     ) -> QueryResult:
         """Query through the best ready index for these filters.
@@ -372,7 +382,8 @@ class Datastore:
         Raises ``IndexNotReady`` if only a building index could answer, and
         ``NoIndexForQuery`` (naming an index that would) if none could.
         """
-        return self._queries.query(order=order, limit=limit, cursor=cursor, **filters)
+        with self._reads.reading(read_from):
+            return self._queries.query(order=order, limit=limit, cursor=cursor, **filters)
 
     @long_statements()  # reads every row: statements wait bulk_timeout
     def check(self) -> dict[str, Any]:
@@ -444,6 +455,10 @@ class Datastore:
         from bagstore.scaleout import Mover
 
         return Mover(self).migrate_key(value, to_bucket, wait=wait)
+
+    def failover(self, shard: int | str, *, to: str | None = None, **options: Any) -> Any:
+        """Make replica ``to`` a shard's primary (docs/replication.md)."""
+        return failover(self.router, shard, to=to, **options)
 
     # -- ids -----------------------------------------------------------------------
     def sequence(self, name: str, *, block: int = 1000, start: int = 1) -> Any:
@@ -522,7 +537,8 @@ class Datastore:
         ``frozen_waits`` (5 ms waits for a bucket frozen by a move),
         ``full_reads`` (whole placements read from the catalog) and
         ``bucket_reads`` (refusals answered by reading only the refused
-        buckets' shards).
+        buckets' shards); ``"reads"`` per server and ``"replicas"`` (see
+        docs/replication.md).
 
             >>> import bagstore, tempfile
             >>> ds = bagstore.open(tempfile.mkdtemp(), shards=2)
@@ -530,7 +546,8 @@ class Datastore:
             {'refused': 0, 'frozen_waits': 0, 'full_reads': 0, 'bucket_reads': 0}
             >>> ds.close()
         """
-        return {**self.cache_layer.stats.as_dict(), "placement": self.router.counts()}
+        replicas = self.router.replication.stats()  # "reads" per server, "replicas"
+        return {**self.cache_layer.stats.as_dict(), "placement": self.router.counts(), **replicas}
 
     def close(self) -> None:
         """Close every connection; the datastore cannot be used afterwards."""

@@ -220,9 +220,11 @@ class Index:
         limit: int | None = None,
         cursor: str | None = None,
         allow_partial: bool = False,
+        read_from: str | None = None,
         **filters: Any,
     ) -> QueryResult:
-        """Entities matching ``filters`` through this index, in index order.
+        """Entities matching ``filters`` through this index, in index order
+        (``read_from``: "primary" or "replica", see docs/replication.md).
 
         Filters: ``prop=v``, ``prop__in=[...]`` on a prefix of the properties,
         then ``prop__gt/__gte/__lt/__lte`` on the next one.  ``order`` is that
@@ -232,7 +234,13 @@ class Index:
         >>> # entities = user_id_index.get_all(ds, user_id=b"...", limit=20)
         """
         return datastore.query_index(
-            self, filters, order=order, limit=limit, cursor=cursor, allow_partial=allow_partial
+            self,
+            filters,
+            order=order,
+            limit=limit,
+            cursor=cursor,
+            allow_partial=allow_partial,
+            read_from=read_from,
         )
 
     def get(self, datastore: Datastore, **filters: Any) -> dict[str, Any] | None:

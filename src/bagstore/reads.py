@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from bagstore import codec
@@ -27,6 +29,7 @@ from bagstore.backends.base import TOGETHER_MAX_IDS, read_bodies_together
 from bagstore.cache.request import _current as _current_request
 from bagstore.query import Plan, _Stream, merged_eq, shard_scans
 from bagstore.sharding.hashing import bucket_of
+from bagstore.sharding.replicas import check_read_from
 
 if TYPE_CHECKING:
     from bagstore.cache.layer import CacheLayer
@@ -36,6 +39,9 @@ if TYPE_CHECKING:
 __all__ = ["Reads", "together"]
 
 T = TypeVar("T")
+
+#: ``read_from`` of the query running in this context (None: the datastore's).
+_read_from: ContextVar[str | None] = ContextVar("bagstore_read_from", default=None)
 
 
 class Reads:
@@ -51,7 +57,7 @@ class Reads:
         self.direct = cache.cache is None and not placer.keyed
         # see _joinable: (group, alone, shards) -> (shards, schemas, backends)
         self._join_plans: dict[
-            tuple[tuple[int, ...], bool, int],
+            tuple[tuple[int, ...], bool, int, int],
             tuple[tuple[int, ...], tuple[str | None, ...], tuple[Backend, ...]],
         ] = {}
 
@@ -60,12 +66,41 @@ class Reads:
         no request-scoped one open on this thread."""
         return self.cache.cache is None and _current_request.get() is None
 
+    def mode(self, read_from: str | None = None) -> str:
+        """Where reads go: ``read_from`` if given, else the query's, else the
+        datastore's default."""
+        if read_from is None:
+            read_from = _read_from.get() or self.router.replication.read_from
+            return read_from
+        return check_read_from(read_from)
+
+    @contextmanager
+    def reading(self, read_from: str | None) -> Iterator[None]:
+        """Within the block (this context), reads go where ``read_from`` says."""
+        if read_from is None:
+            yield
+            return
+        token = _read_from.set(check_read_from(read_from))
+        try:
+            yield
+        finally:
+            _read_from.reset(token)
+
     # -- by id ---------------------------------------------------------------------
-    def get(self, entity_id: bytes) -> dict[str, Any] | None:
+    def get(self, entity_id: bytes, read_from: str | None = None) -> dict[str, Any] | None:
         """One entity (the id checked by the caller), or None."""
         router = self.router
         if time.monotonic() - router.checked_at >= router.refresh_interval:
             router.refresh()
+        if (read_from or router.replication.read_from) != "primary":
+            mode = self.mode(read_from)
+            if mode == "replica" and self.uncached():
+                if self.placer.keyed:  # the bucket from a lookup (on the primary)
+                    return self.get_many([entity_id], mode)[0]
+                topology = router.topology
+                shard = topology.shard_of_bucket[bucket_of(entity_id, topology.buckets)]
+                body = router.read_on(shard, lambda b: b.get_body(self.kind, entity_id), mode)
+                return None if body is None else codec.decode(body)
         if self.direct and _current_request.get() is None:
             # No cache level to consult and the id alone names the bucket:
             # one statement on one shard.
@@ -75,11 +110,14 @@ class Reads:
             return None if body is None else codec.decode(body)
         return self.cache.get(entity_id, self.fetch_many)
 
-    def get_many(self, wanted: list[bytes]) -> list[dict[str, Any] | None]:
+    def get_many(
+        self, wanted: list[bytes], read_from: str | None = None
+    ) -> list[dict[str, Any] | None]:
         """Entities in the order asked (None where missing)."""
         self.router.refresh()
         if self.uncached():
-            bodies = self.fetch_bodies(wanted)
+            mode = self.mode(read_from)
+            bodies = {r[0]: r[1] for r in self.read_rows(wanted, stamps=False, mode=mode)}
             decode = codec.decode
             return [decode(bodies[i]) if i in bodies else None for i in wanted]
         return self.cache.get_many(wanted, self.fetch_many)
@@ -96,8 +134,12 @@ class Reads:
         """``{id: encoded body}`` of the ids that exist (reads with no cache level)."""
         return {r[0]: r[1] for r in self.read_rows(ids, stamps=False)}
 
-    def read_rows(self, ids: Iterable[bytes], *, stamps: bool) -> list[tuple[Any, ...]]:
+    def read_rows(
+        self, ids: Iterable[bytes], *, stamps: bool, mode: str = "primary"
+    ) -> list[tuple[Any, ...]]:
         wanted = list(dict.fromkeys(ids))
+        if mode != "primary":
+            return self._replica_rows(wanted, stamps, mode)
         if not self.placer.keyed:  # the id names the bucket
             topology = self.router.topology
             sole = topology.sole_shard
@@ -109,6 +151,32 @@ class Reads:
         lost = [i for i in wanted if i not in found]
         if lost:  # a stale or missing lookup row: look everywhere
             rows += self._rows_at(self.placer.search(lost), stamps)
+        return rows
+
+    def _replica_rows(self, wanted: list[bytes], stamps: bool, mode: str) -> list[tuple[Any, ...]]:
+        """Rows read where ``mode`` says, one statement per shard (buckets and
+        lookups from the primary; an id whose lookup row is missing is
+        searched on the primaries)."""
+        router = self.router
+        shard_of = router.topology.shard_of_bucket
+        groups: dict[int, list[bytes]] = defaultdict(list)
+        for entity_id, bucket in self.placer.locate(wanted).items():
+            groups[shard_of[bucket]].append(entity_id)
+
+        def read(shard: int) -> list[tuple[Any, ...]]:
+            part = groups[shard]
+            return router.read_on(
+                shard, lambda b: b.read_bodies(self.kind, part, stamps=stamps), mode
+            )
+
+        rows: list[tuple[Any, ...]] = []
+        for part in router.map(read, list(groups)):
+            rows += part
+        if self.placer.keyed:
+            found = {r[0] for r in rows}
+            lost = [i for i in wanted if i not in found]
+            if lost:
+                rows += self._rows_at(self.placer.search(lost), stamps)
         return rows
 
     def _rows_at(self, where: Mapping[bytes, int], stamps: bool) -> list[tuple[Any, ...]]:
@@ -152,7 +220,8 @@ class Reads:
     def fetch_for_query(self, ids: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
         if self.uncached():
             decode = codec.decode
-            return {r[0]: decode(r[1]) for r in self.read_rows(ids, stamps=False)}
+            rows = self.read_rows(ids, stamps=False, mode=self.mode())
+            return {r[0]: decode(r[1]) for r in rows}
         return self.cache.decoded(list(dict.fromkeys(ids)), self.fetch_many)
 
     def scan_streams(self, plan: Plan, page: int) -> list[_Stream]:
@@ -161,6 +230,12 @@ class Reads:
         scans = shard_scans(
             plan, backends, topology.shard_of_bucket, topology.buckets, topology.sole_shard
         )
+        replica = self.mode() != "primary"
+        if replica:  # each scanned shard's replica (or primary), chosen now
+            chosen = list(backends)
+            for k in scans:
+                chosen[k] = self.router.read_on(k, lambda b: b, "replica")
+            backends = tuple(chosen)
         groups = self._scan_groups(list(scans), backends)
         # A kind placed by the index's shard_on value (hashed, as index rows are)
         # keeps each entity beside its index rows: joining the other databases
@@ -181,7 +256,7 @@ class Reads:
                 scan.eq = merged_eq([scans[k].eq for k in group])
                 scan.parts = tuple(str(backends[k].schema) for k in group)
             if join:
-                joined, schemas, reach = self._joinable(group, beside, backends)
+                joined, schemas, reach = self._joinable(group, beside, backends, not replica)
                 scan.join_kind, scan.join = self.kind, schemas
             else:
                 joined, reach = (), tuple(backends[k] for k in group[1:])
@@ -212,16 +287,17 @@ class Reads:
         return out
 
     def _joinable(
-        self, group: tuple[int, ...], alone: bool, backends: Sequence[Backend]
+        self, group: tuple[int, ...], alone: bool, backends: Sequence[Backend], memo: bool = True
     ) -> tuple[tuple[int, ...], tuple[str | None, ...], tuple[Backend, ...]]:
         """The shards whose entity tables a scan of ``group`` joins: ``group``
         (its first shard is scanned on its own connection), then (unless
         ``alone``) the other shards its connection reaches (the databases of one
         server and login, SQLite files; as many as one statement may name);
         their ``schema`` names (None: the first one); and the backends of all
-        but the first.  Kept until a shard is added."""
-        key = (group, alone, len(backends))
-        known = self._join_plans.get(key)
+        but the first.  Kept until a shard is added (unless ``memo`` is False:
+        backends chosen for one read)."""
+        key = (group, alone, len(backends), self.router.replication.retargets)
+        known = self._join_plans.get(key) if memo else None
         if known is not None:
             return known
         lead = backends[group[0]]
@@ -237,7 +313,8 @@ class Reads:
             (None, *(backends[k].schema for k in shards[1:])),
             tuple(backends[k] for k in shards[1:]),
         )
-        self._join_plans[key] = plan
+        if memo:
+            self._join_plans[key] = plan
         return plan
 
 

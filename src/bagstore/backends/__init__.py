@@ -7,7 +7,9 @@ Accepted shard URLs:
 * ``mysql://user:password@host:port/database`` (``mariadb://`` is the same),
   with optional query parameters ``driver`` (``pymysql``, the default, or
   ``mysqlclient``), ``pool_size``, ``connect_timeout``, ``read_timeout``,
-  ``write_timeout``, ``bulk_timeout`` (seconds; see :class:`MySQLDefaults`);
+  ``write_timeout``, ``bulk_timeout`` (seconds; see :class:`MySQLDefaults`),
+  and ``replica=host:port`` (repeatable: the servers replicating this one,
+  see docs/replication.md);
 * ``host:port`` (FriendFeed's form): a MySQL server; user, password and database
   come from the keywords given to :func:`open_backend`.
 
@@ -98,6 +100,14 @@ def _seconds(value: object, what: str, url: str) -> float:
     return seconds
 
 
+def _replica(value: str, url: str) -> str:
+    """A ``replica=host:port`` option, checked (``host:port``, port 1-65535)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigurationError(f"replica={value!r} in {redact(url)!r} is not host:port")
+    return f"{host}:{int(port)}"
+
+
 def open_backend(
     url: str, *, mysql: MySQLDefaults | None = None, sqlite_synchronous: str = "NORMAL"
 ) -> Backend:
@@ -107,6 +117,11 @@ def open_backend(
     if url.startswith("sqlite:"):
         from bagstore.backends.sqlite import SQLiteBackend
 
+        if "?" in url and "replica" in url.split("?", 1)[1]:
+            raise ConfigurationError(
+                f"SQLite shard {url.split('?', 1)[0]!r} cannot have replicas "
+                "(replica= is for MariaDB shards: docs/replication.md)"
+            )
         rest = url[len("sqlite:") :]
         if rest == ":memory:":
             return SQLiteBackend(":memory:", synchronous=sqlite_synchronous)
@@ -132,7 +147,10 @@ def open_backend(
         )
     from bagstore.backends.mysql import MySQLBackend
 
-    query = dict(parse_qsl(parts.query))
+    pairs = parse_qsl(parts.query)
+    replicas = tuple(_replica(v, url) for k, v in pairs if k == "replica")
+    query = dict(pairs)
+    query.pop("replica", None)
     known = {"driver", "pool_size", *TIMEOUTS}
     unknown = set(query) - known
     if unknown:
@@ -155,6 +173,7 @@ def open_backend(
         "password": unquote(parts.password) if parts.password is not None else defaults.password,
         "database": database,
         "driver": driver,
+        "replicas": replicas,
         **defaults.timeouts,
     }
     if "pool_size" in query:

@@ -17,16 +17,27 @@ answer did not come may or may not have been applied.
 
 The largest body and the largest multi-row statement follow from the server's
 ``max_allowed_packet`` (a value may be escaped to twice its size on the wire).
+
+A primary with replicas (``replica=`` in its URL, docs/replication.md)
+remembers the GTID of each transaction this process commits there (MariaDB's
+``session_track_system_variables=last_gtid``, read from the OK packet that
+PyMySQL already receives: no extra round trip; mysqlclient asks
+``SELECT @@last_gtid`` after a write), so that a replica read can wait for it.
+Every new connection to such a primary first checks that the server is
+writable (``read_only`` off) and what role row it holds, and a connection
+that broke makes the next statement re-check where the primary is (see
+``guard``; the router decides, :mod:`bagstore.sharding.replicas`).
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from bagstore.backends.base import Backend, Dialect, check_identifier
+from bagstore.backends.gtid import Gtids, tracking_connection
 from bagstore.backends.pool import Pool, in_long_statements
 from bagstore.backends.seqsql import MySQLSequenceSQL, SequenceSQL
 from bagstore.errors import (
@@ -65,6 +76,8 @@ _DEADLOCK = {1213}
 _DUPLICATE = {1062}
 _UNKNOWN_DATABASE = 1049
 _UNKNOWN_VARIABLE = 1193
+_READ_ONLY = 1290  # the server runs with --read-only (a replica, or a fenced primary)
+_SESSION_TRACK = 1 << 23  # client capability: session state in OK packets
 _MEDIUMBLOB_MAX = 16 * 1024 * 1024 - 1
 _ENGINE = "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
 
@@ -241,8 +254,29 @@ class MySQLBackend(Backend):
         read_timeout: float | None = 30.0,
         write_timeout: float | None = 30.0,
         bulk_timeout: float | None = 600.0,
+        replicas: Sequence[str] = (),
+        replica: bool = False,
     ) -> None:
         check_identifier(database, "MySQL database name")
+        #: How to open the same database on another server (see ``sibling``).
+        self._settings: dict[str, Any] = dict(
+            user=user, password=password, database=database, driver=driver,
+            pool_size=pool_size, connect_timeout=connect_timeout, read_timeout=read_timeout,
+            write_timeout=write_timeout, bulk_timeout=bulk_timeout,
+        )  # fmt: skip
+        #: The servers configured as this one's replicas (``host:port``).
+        self.replicas = tuple(replicas)
+        #: A replica: never creates the database nor tracks GTIDs.
+        self.replica = replica
+        #: Called before work when a connection to this primary broke (or a new
+        #: one found the server read-only): the router re-reads where the
+        #: primary is and may ``retarget`` this backend.
+        self.guard: Callable[[MySQLBackend], None] | None = None
+        self.suspect = False
+        #: The role row a new connection must find (epoch), set by the router.
+        self.epoch = 0
+        #: the GTIDs this process committed here (the highest per domain)
+        self.gtids = Gtids()
         super().__init__(f"mysql://{user}@{host}:{port}/{database}", server=f"{host}:{port}")
         self.host, self.port, self.user, self.database = host, port, user, database
         self._password = password
@@ -259,15 +293,61 @@ class MySQLBackend(Backend):
         # PyMySQL reads a connection's timeouts at each packet: they can change
         # between statements (a bulk step's longer ones, the handshake's shorter).
         self._switchable = self._driver.__name__ == "pymysql"
-        self._created_database = False
-        self._pool: Pool[Any] = Pool(
+        self._created_database = replica
+        self._track = bool(replicas) and not replica
+        self._tracking_class: Any = None
+        if self._track and self._switchable:
+            self._tracking_class = tracking_connection(self._driver)
+        self._pool: Pool[Any] = self._new_pool()
+        self._limits_known = False
+
+    def _new_pool(self) -> Pool[Any]:
+        return Pool(
             self._connect,
             lambda c: c.close(),
-            size=pool_size,
+            size=int(self._settings["pool_size"]),
             alive=self._alive,
             name=self.name,
         )
-        self._limits_known = False
+
+    # -- replication (docs/replication.md) ------------------------------------------
+    @property
+    def replicated(self) -> bool:
+        """Whether this is a primary with replicas."""
+        return self._track
+
+    def sibling(
+        self,
+        address: str,
+        *,
+        user: str | None = None,
+        password: str | None = None,
+        **settings: Any,
+    ) -> MySQLBackend:
+        """The same database on another server (``host:port``), with this
+        login unless ``user`` is given (``settings``: other timeouts, ...):
+        a replica's backend, which never creates the database."""
+        host, _, port = address.rpartition(":")
+        settings = {**self._settings, **settings}
+        if user is not None:
+            settings.update(user=user, password=password or "")
+        return MySQLBackend(host=host, port=int(port), replica=True, **settings)
+
+    def retarget(self, address: str) -> None:
+        """Send this shard's statements to another server from now on (the
+        router's decision after a failover): connections to the old one are
+        closed as they come back."""
+        host, _, port = address.rpartition(":")
+        old = self._pool
+        self.host, self.port, self.server = host, int(port), address
+        self.together = ("mysql", host, int(port), *self.together[3:])  # type: ignore[index]
+        self._pool = self._new_pool()
+        old.close()
+
+    def position(self) -> str:
+        """The GTID position of this process's writes here ('' if none), for
+        ``MASTER_GTID_WAIT`` on a replica."""
+        return self.gtids.position()
 
     def int_column(self, table: str, key: str, value: str) -> list[int] | None:
         # One row instead of one per key: the catalog's bucket map (1,024 rows)
@@ -311,6 +391,32 @@ class MySQLBackend(Backend):
             f"(SET GLOBAL innodb_purge_threads = {enough}; see docs/scaleout.md)."
         ]
 
+    def _check_role(self, conn: Any) -> None:
+        """A new connection to a primary with replicas: the server must be
+        writable and must not hold a role row newer than the one this process
+        routes by (else: ``_NotPrimary``, and the router looks again)."""
+        cur = conn.cursor()
+        try:
+            cur.execute("SELECT @@global.read_only")
+            read_only = int(cur.fetchone()[0])
+            epoch = self.epoch
+            try:
+                cur.execute("SELECT epoch FROM bagstore_role WHERE one = 1")
+                row = cur.fetchone()
+                epoch = int(row[0]) if row else 0
+            except self._driver.Error as exc:
+                if self._code(exc) != 1146:  # no such table: no failover yet
+                    raise
+        finally:
+            cur.close()
+        if read_only or epoch != self.epoch:
+            conn.close()
+            self.suspect = True
+            raise _NotPrimary(
+                f"shard {self.name}: {self.server} is "
+                + ("read-only" if read_only else f"at epoch {epoch}, not {self.epoch}")
+            )
+
     def _connect_args(self, database: str | None) -> dict[str, Any]:
         args: dict[str, Any] = {
             "host": self.host,
@@ -338,22 +444,31 @@ class MySQLBackend(Backend):
                     args[key] = max(1, math.ceil(args[key]))
         if database is not None:
             args["database"] = database
+        if self._track:
+            args["init_command"] += ", session_track_system_variables = 'last_gtid'"
+            if self._tracking_class is not None:
+                args["client_flag"] = _SESSION_TRACK
         return args
 
     def _connect(self) -> Any:
         drv = self._driver
+        connect = self._tracking_class or drv.connect
         try:
             try:
-                conn = drv.connect(**self._connect_args(self.database))
+                conn = connect(**self._connect_args(self.database))
             except drv.OperationalError as exc:
                 if exc.args and exc.args[0] == _UNKNOWN_DATABASE and not self._created_database:
                     self._create_database()
-                    conn = drv.connect(**self._connect_args(self.database))
+                    conn = connect(**self._connect_args(self.database))
                 else:
                     raise
             if not self._limits_known:
                 self._read_limits(conn)
+            if self._track:
+                self._check_role(conn)
         except drv.Error as exc:
+            if self._track:
+                self.suspect = True  # no answer: is the primary elsewhere now?
             if _timed_out(exc):
                 raise ShardTimeout(
                     f"shard {self.name}: the server did not complete a new connection within "
@@ -402,7 +517,15 @@ class MySQLBackend(Backend):
                 pass
 
     def _acquire(self) -> Any:
-        conn = self._pool.acquire()
+        if self.suspect and self.guard is not None:
+            self.guard(self)
+        try:
+            conn = self._pool.acquire()
+        except _NotPrimary:
+            if self.guard is None:
+                raise
+            self.guard(self)  # waits while no server is writable, may retarget
+            conn = self._pool.acquire()
         if self._switchable:
             if in_long_statements():
                 read = write = self._bulk_timeout
@@ -413,9 +536,30 @@ class MySQLBackend(Backend):
         return conn
 
     def _release(self, conn: Any) -> None:
+        if self._track:
+            self._collect_gtid(conn)
         self._pool.release(conn)
 
+    def _collect_gtid(self, conn: Any) -> None:
+        if self._tracking_class is not None:
+            gtid = conn.tracked_gtid
+            if gtid:
+                conn.tracked_gtid = ""
+                self.gtids.note(gtid)
+        else:  # mysqlclient reports no session state: ask (a write may have committed)
+            try:
+                cur = conn.cursor()
+                cur.execute("SELECT @@last_gtid")
+                gtid = cur.fetchone()[0]
+                cur.close()
+            except self._driver.Error:
+                return  # (the connection's next use finds it broken)
+            if gtid:
+                self.gtids.note(gtid.decode() if isinstance(gtid, bytes) else str(gtid))
+
     def _discard(self, conn: Any) -> None:
+        if self._track:
+            self.suspect = True  # a broken connection: where is the primary now?
         self._pool.discard(conn)
 
     def close(self) -> None:
@@ -435,6 +579,8 @@ class MySQLBackend(Backend):
             return ShardTimeout
         if code in _DUPLICATE:
             return DuplicateValue
+        if code == _READ_ONLY and self._track:
+            return ShardUnavailable  # the primary was fenced: see is_retryable
         return BackendError
 
     def translated(self, exc: BaseException) -> BackendError:
@@ -469,7 +615,17 @@ class MySQLBackend(Backend):
         # waiting again would double the caller's wait).
         if _timed_out(exc):
             return False
+        if code == _READ_ONLY and self._track:
+            self.suspect = True  # fenced (a switchover): look for the primary again
+            return True
+        if not code and isinstance(exc, self._driver.InterfaceError):
+            # the rollback after a lost connection found it closed: the loss counts
+            return self.is_retryable(exc.__context__) if exc.__context__ is not None else False
         return code in _DEADLOCK or code in _LOST
+
+
+class _NotPrimary(ShardUnavailable):
+    """A new connection found a server that is not (or no longer) the primary."""
 
 
 def _timed_out(exc: BaseException) -> bool:

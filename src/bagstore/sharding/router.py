@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from bagstore.backends.pool import in_long_statements, long_statements
-from bagstore.errors import KeyMigrating, Retryable, StalePlacement
+from bagstore.errors import KeyMigrating, Retryable, ShardUnavailable, StalePlacement
+from bagstore.sharding.replicas import records as replica_records
 from bagstore.sharding.topology import ShardOpener, Topology
 
 if TYPE_CHECKING:
@@ -114,6 +115,12 @@ class Router:
         self.topology = Topology(placement, tuple(backends))
         #: set by :meth:`pin`: every bucket is on one backend for good (a global kind)
         self.pinned = False
+        #: the replicated shards: where their primaries are, replica reads
+        self.replication = opener.replication
+        self.replication.catalog = catalog
+        for no, backend in enumerate(backends):
+            self.replication.name(backend, str(no))
+        self.replication.name(catalog.backend, "catalog")  # (unless it is a shard's)
         self.parallel = self._fan_out()
         #: when the placement's version was last compared with the catalog's
         self.checked_at = time.monotonic()
@@ -177,7 +184,16 @@ class Router:
         with self._lock:
             self.checked_at = time.monotonic()
             old = self.topology.placement
-            if self.catalog.placement_version() == old.version and not force:
+            try:
+                version = self.catalog.placement_version()
+            except ShardUnavailable:
+                if force:
+                    raise
+                # The catalog's server is down (its primary failed over, say):
+                # reads go on by the placement known, writes stay fenced.
+                log.info("the catalog cannot be reached: placement version %d kept", old.version)
+                return old
+            if version == old.version and not force:
                 return old
             placement = self.catalog.read_placement()
             self.count("full_reads")
@@ -185,8 +201,11 @@ class Router:
             opened = placement.shard_names[len(backends) :]
             for name in opened:
                 backend = self.opener.open_listed(name)
+                self.replication.name(backend, str(len(backends)))
                 self.on_new_shard(backend)
                 backends.append(backend)
+            if self.replication.replicated():
+                self.replication.learn(replica_records(self.catalog.read_meta()))
             self._install(placement, tuple(backends))
             self.parallel = self._fan_out()
             moved = sum(
@@ -314,6 +333,12 @@ class Router:
                 self.refresh_refused(bucket(item) for item in pending)
         raise StalePlacement("the placement kept changing; gave up")
 
+    def read_on(self, shard: int, work: Callable[[Backend], T], read_from: str | None = None) -> T:
+        """A read on ``shard``: on one of its replicas when ``read_from`` (or
+        the datastore's default) is ``"replica"`` and one is fit, else on its
+        primary (see :mod:`bagstore.sharding.replicas`)."""
+        return self.replication.read(self.topology.backends[shard], work, read_from)
+
     def on_bucket(self, bucket: int, work: Callable[[Backend], T]) -> T:
         """Run ``work`` on the shard that owns ``bucket``, resolved again after
         each refusal (see :meth:`retry`)."""
@@ -403,6 +428,7 @@ class Router:
         """Stop the pool and close every shard's connections and the catalog's."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self.replication.close()
         for b in {id(b): b for b in [*self.topology.backends, self.catalog.backend]}.values():
             b.close()
 

@@ -4,8 +4,10 @@ A :class:`Topology` is a snapshot: the catalog's placement (its version,
 bucket -> shard) and the backends of the shards it names.  The router
 (:mod:`bagstore.sharding.router`) replaces it whole on a refresh and never
 with one of an older version; nothing edits one in place, so a reader that
-took a snapshot routes a whole statement by one consistent map.  Replicas
-(shard -> primary and replicas) will be added here.
+took a snapshot routes a whole statement by one consistent map.  The
+replicated shards' roles (epoch, primary, replicas) are kept by the opener's
+:class:`~bagstore.sharding.replicas.Replication`: a failover points a shard's
+backend at another server, so a snapshot's backends stay the same objects.
 
     >>> from bagstore.catalog import Placement
     >>> Topology(Placement(2, ("a",), (0, 0)), ()).sole_shard
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from bagstore.backends import Backend, MySQLDefaults, open_backend
 from bagstore.errors import ConfigurationError
+from bagstore.sharding.replicas import Replication
 
 if TYPE_CHECKING:
     from bagstore.catalog import Placement
@@ -69,10 +72,14 @@ class ShardOpener:
     mysql: MySQLDefaults
     sqlite_synchronous: str = "NORMAL"
     root: str | None = None
+    #: the replicated shards (their primary, replicas and reads)
+    replication: Replication = field(default_factory=Replication, compare=False)
 
     def open(self, url: str) -> Backend:
         """A backend for a URL as configured."""
-        return open_backend(url, mysql=self.mysql, sqlite_synchronous=self.sqlite_synchronous)
+        backend = open_backend(url, mysql=self.mysql, sqlite_synchronous=self.sqlite_synchronous)
+        self.replication.adopt(backend)
+        return backend
 
     def open_listed(self, name: str) -> Backend:
         """A backend for a shard name the catalog lists (added after this
