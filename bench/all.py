@@ -22,7 +22,17 @@ from dataclasses import asdict
 
 from bench import common
 
-SUITES = ["codec", "core", "indexes", "sequences", "cache", "cleaner", "scaleout", "tables", "replicas"]
+SUITES = [
+    "codec",
+    "core",
+    "indexes",
+    "sequences",
+    "cache",
+    "cleaner",
+    "scaleout",
+    "tables",
+    "replicas",
+]
 
 
 def main(argv: list[str] | None = None) -> int:

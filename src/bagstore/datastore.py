@@ -33,8 +33,8 @@ from bagstore.names import check_new_kind
 from bagstore.queries import Queries
 from bagstore.query import QueryResult
 from bagstore.reads import Reads
-from bagstore.sharding.home import check_global, pin_home
 from bagstore.sharding.failover import failover
+from bagstore.sharding.home import check_global, pin_home
 from bagstore.sharding.placer import Placer
 from bagstore.sharding.replicas import Replication
 from bagstore.sharding.router import Router
