@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from bagstore import testing
+from bagstore.changes import Change, ChangePage
 from bagstore.cleaner import Cleaner, CleanStats
 from bagstore.codec import MAX_BODY_BYTES
 from bagstore.datastore import DataStore, Datastore, open
@@ -21,6 +22,7 @@ from bagstore.errors import (
     BackendError,
     BagstoreError,
     BagstoreIndexError,
+    ChangesPruned,
     ConfigurationError,
     DuplicateValue,
     IndexNotReady,
@@ -37,6 +39,7 @@ from bagstore.ids import new_id
 from bagstore.index import Index
 from bagstore.query import QueryResult
 from bagstore.scaleout import Mover, MoveStats
+from bagstore.subscriber import Subscriber
 
 __version__ = "0.1.0"
 
@@ -49,6 +52,9 @@ __all__ = [
     "BackendError",
     "BagstoreError",
     "BagstoreIndexError",
+    "Change",
+    "ChangePage",
+    "ChangesPruned",
     "CleanStats",
     "Cleaner",
     "ConfigurationError",
@@ -68,6 +74,7 @@ __all__ = [
     "ShardTimeout",
     "ShardUnavailable",
     "StalePlacement",
+    "Subscriber",
     "__version__",
     "new_id",
     "open",

@@ -624,6 +624,13 @@ class Cleaner:
             return self._drop_claims(index, [(shard, r) for r in orphans], present)
         return backend.delete_index_rows(index.table, index.properties, orphans)
 
+    def prune_changes(self) -> int:
+        """Delete the change feed's changes that retention allows (every kind;
+        :mod:`bagstore.retention`); the number deleted."""
+        from bagstore.retention import prune_changes
+
+        return prune_changes(self.ds.feed)
+
     def follow(
         self,
         *,

@@ -6,6 +6,7 @@ Every error bagstore raises derives from :class:`BagstoreError`::
       ConfigurationError              bad URL or config file, shards that do not match the catalog
       InvalidEntity                   bad entity: not a dict, bad id, unencodable value, too big
       InvalidQuery                    unknown lookup, bad filter value, bad cursor
+        ChangesPruned                 a change feed position older than the changes kept
       BagstoreIndexError
         IndexNotReady                 the index that would answer is still building (or retired)
         NoIndexForQuery               no declared index can answer; names the one that would
@@ -37,6 +38,7 @@ __all__ = [
     "BackendError",
     "BagstoreError",
     "BagstoreIndexError",
+    "ChangesPruned",
     "ConfigurationError",
     "DuplicateValue",
     "IndexNotReady",
@@ -65,6 +67,11 @@ class InvalidEntity(BagstoreError, ValueError):
 
 class InvalidQuery(BagstoreError, ValueError):
     """A query that cannot be run as asked: unknown lookup, bad value, bad cursor."""
+
+
+class ChangesPruned(InvalidQuery):
+    """A change feed cursor or consumer is behind the changes kept: retention
+    deleted changes it had not read (reset the consumer, or read from the start)."""
 
 
 class BagstoreIndexError(BagstoreError):

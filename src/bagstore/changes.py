@@ -1,0 +1,420 @@
+"""The change feed: every committed write of a kind, in order, resumable.
+
+A kind's feed is off until switched on (:meth:`Feed.enable`); from then on
+every put, update and delete of the kind records a change in the same
+statement as the entity (triggers, see :mod:`bagstore.backends.changesql`).
+Each bucket numbers its changes 1, 2, 3... in commit order; a cursor holds
+the last position read of every bucket, so it survives bucket moves and never
+skips a change.  A page merges the buckets (of every shard) by time, each
+bucket's changes in their order.
+
+    >>> import bagstore, tempfile
+    >>> ds = bagstore.open(tempfile.mkdtemp())
+    >>> ds.feed.enable(bodies=True)
+    >>> entity_id = ds.put({"n": 1})
+    >>> ds.put({"id": entity_id, "n": 2}) == entity_id
+    True
+    >>> ds.delete(entity_id)
+    True
+    >>> page = ds.changes()
+    >>> [(c.op, c.version, c.entity and c.entity["n"]) for c in page]
+    [('put', 1, 1), ('put', 2, 2), ('delete', 2, None)]
+    >>> ds.changes(since=page.cursor)
+    []
+    >>> ds.close()
+
+Guarantees: docs/changes.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import heapq
+import hmac
+import json
+import secrets
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from bagstore import codec
+from bagstore.backends import Backend, check_identifier
+from bagstore.backends import changesql as sql
+from bagstore.errors import ChangesPruned, ConfigurationError, InvalidQuery
+
+if TYPE_CHECKING:
+    from bagstore.sharding.router import Router
+
+__all__ = ["Change", "ChangePage", "Feed", "FeedSettings"]
+
+#: Changes kept at least this long (seconds) unless every consumer has them.
+DEFAULT_MAX_AGE = 7 * 24 * 3600
+#: At most this many changes kept per bucket, whatever the consumers.
+DEFAULT_MAX_CHANGES = 1_000_000
+MAX_LIMIT = 10_000
+_CURSOR_PREFIX = "c1."
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One committed write: ``op`` ``"put"`` or ``"delete"``; ``version`` the
+    entity's version after a put (a delete: the version it removed);
+    ``updated`` µs since the epoch (UTC); ``entity`` the body after a put when
+    the kind records bodies, else None."""
+
+    id: bytes
+    op: str
+    version: int
+    updated: int
+    entity: dict[str, Any] | None
+    kind: str
+    bucket: int
+    position: int
+
+
+class ChangePage(list[Change]):
+    """A page of changes; ``cursor`` reads the changes after it."""
+
+    def __init__(self, changes: Iterable[Change], cursor: str) -> None:
+        super().__init__(changes)
+        self.cursor = cursor
+
+
+@dataclass(frozen=True)
+class FeedSettings:
+    """A kind's feed: bodies recorded or not; retention (``max_age`` seconds,
+    ``max_changes`` per bucket)."""
+
+    bodies: bool
+    max_age: int
+    max_changes: int
+
+
+def encode_positions(positions: dict[int, int]) -> str:
+    """Positions as compact text: bucket deltas and positions, JSON, zlib, base64."""
+    flat: list[int] = []
+    last = 0
+    for b in sorted(positions):
+        if positions[b] > 0:
+            flat += [b - last, positions[b]]
+            last = b
+    raw = zlib.compress(json.dumps(flat, separators=(",", ":")).encode(), 9)
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_positions(text: str) -> dict[int, int]:
+    """The inverse of :func:`encode_positions` (ValueError if it is not one)."""
+    raw = zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+    flat = json.loads(raw)
+    if not isinstance(flat, list) or len(flat) % 2 or not all(type(v) is int for v in flat):
+        raise ValueError("not a list of positions")
+    out: dict[int, int] = {}
+    bucket = 0
+    for i in range(0, len(flat), 2):
+        if flat[i] < 0 or flat[i + 1] < 0:
+            raise ValueError("negative position")
+        bucket += flat[i]
+        out[bucket] = flat[i + 1]
+    return out
+
+
+class Feed:
+    """The change feed of one kind (``ds.feed``; ``ds.changes`` reads it)."""
+
+    def __init__(self, kind: str, router: Router) -> None:
+        self.kind = check_identifier(kind, "kind")
+        self.router = router
+        self.catalog = router.catalog_backend
+        sql.create_feed_catalog(self.catalog)
+        self._key: bytes | None = None
+
+    # -- settings ------------------------------------------------------------------
+    def settings(self) -> FeedSettings | None:
+        """The kind's feed settings, or None while it is off."""
+        rows = self.catalog.select_all(
+            "bagstore_feeds", ("bodies", "max_age", "max_changes"), {"kind": self.kind}
+        )
+        if not rows:
+            return None
+        return FeedSettings(bool(rows[0][0]), int(rows[0][1]), int(rows[0][2]))
+
+    def enable(
+        self,
+        *,
+        bodies: bool = False,
+        max_age: int = DEFAULT_MAX_AGE,
+        max_changes: int = DEFAULT_MAX_CHANGES,
+    ) -> None:
+        """Record every write of the kind from now on (``bodies``: with the new
+        body); keep changes ``max_age`` seconds unless every consumer has read
+        them, and at most ``max_changes`` per bucket."""
+        for name, value in (("max_age", max_age), ("max_changes", max_changes)):
+            if type(value) is not int or value < 1:
+                raise ConfigurationError(f"{name} must be a positive integer, not {value!r}")
+        if type(bodies) is not bool:
+            raise ConfigurationError(f"bodies must be True or False, not {bodies!r}")
+        self.catalog.upsert(
+            "bagstore_feeds",
+            {"kind": self.kind},
+            {"bodies": int(bodies), "max_age": max_age, "max_changes": max_changes},
+        )
+        self.router.on_all(lambda b: sql.set_triggers(b, self.kind, on=True, bodies=bodies))
+
+    def disable(self) -> None:
+        """Stop recording the kind's writes (the changes kept stay readable)."""
+        self.router.on_all(lambda b: sql.set_triggers(b, self.kind, on=False))
+        self.catalog.delete_where("bagstore_feeds", {"kind": self.kind})
+
+    def prepare(self, backend: Backend) -> None:
+        """A new shard records the kind's changes as the others do."""
+        settings = self.settings()
+        sql.ensure_change_tables(backend)
+        if settings is not None:
+            sql.set_triggers(backend, self.kind, on=True, bodies=settings.bodies)
+
+    # -- positions -----------------------------------------------------------------
+    def ends(self, buckets: Iterable[int] | None = None) -> dict[int, tuple[int, int]]:
+        """``{bucket: (last position, last pruned)}``; see :meth:`holders`."""
+        return {b: (top, pruned) for b, (top, pruned, _) in self.holders(buckets).items()}
+
+    def holders(self, buckets: Iterable[int] | None = None) -> dict[int, tuple[int, int, int]]:
+        """``{bucket: (last position, last pruned, shard)}``: of each bucket, the
+        shard holding its newest changes.  Every shard is asked: during and
+        just after a bucket move, two hold the bucket's changes (the newer
+        copy a superset of the older), and this process's placement may be
+        out of date; a tie goes to the shard the placement names."""
+        placement = self.router.refresh()
+        backends = self.router.backends
+        wanted = None if buckets is None else set(buckets)
+
+        def on(shard: int) -> dict[int, tuple[int, int]]:
+            found = sql.positions(backends[shard], self.kind)
+            return {b: v for b, v in found.items() if wanted is None or b in wanted}
+
+        out: dict[int, tuple[int, int, int]] = {}
+        for shard, part in enumerate(self.router.map(on, list(range(len(backends))))):
+            for b, (top, pruned) in part.items():
+                if b >= placement.buckets:
+                    continue
+                best = out.get(b)
+                if (
+                    best is None
+                    or top > best[0]
+                    or (top == best[0] and placement.shard_of_bucket[b] == shard)
+                ):
+                    out[b] = (top, pruned, shard)
+        return out
+
+    def read(
+        self,
+        positions: dict[int, int],
+        limit: int,
+        buckets: Iterable[int] | None = None,
+        *,
+        who: str = "",
+        oldest: bool = False,
+    ) -> tuple[list[Change], dict[int, int]]:
+        """The next changes after ``positions`` (of ``buckets``, default all),
+        at most ``limit``, and the positions after them.  ``oldest``: a bucket
+        missing from ``positions`` starts at the oldest change kept."""
+        wanted = None if buckets is None else set(buckets)
+        ends = self.holders(wanted)
+        active: dict[int, tuple[int, int]] = {}
+        for b, (top, pruned, _) in ends.items():
+            at = positions.get(b, pruned if oldest else 0)
+            if at < pruned:
+                self._pruned(b, at, pruned, who)
+            if top > at:
+                active[b] = (at, top)
+        if not active:
+            return [], dict(positions)
+        cap = min(limit, max(16, -(-2 * limit // len(active))))
+        by_shard: dict[int, list[tuple[int, int, int]]] = {}
+        truncated = set()
+        for b, (at, top) in active.items():
+            hi = min(top, at + cap)
+            if hi < top:
+                truncated.add(b)
+            by_shard.setdefault(ends[b][2], []).append((b, at + 1, hi))
+        backends = self.router.backends
+        parts = self.router.map(
+            lambda item: sql.read_ranges(backends[item[0]], self.kind, item[1]),
+            list(by_shard.items()),
+        )
+        streams: dict[int, list[sql.ChangeRow]] = {}
+        for rows in parts:
+            for r in rows:
+                streams.setdefault(r.bucket, []).append(r)
+        for b, (at, _) in active.items():
+            rows = sorted(streams.get(b, []), key=lambda r: r.pos)
+            expected = min(active[b][1], at + cap) - at
+            gapless = 0
+            while gapless < len(rows) and rows[gapless].pos == at + 1 + gapless:
+                gapless += 1
+            if gapless < expected:
+                # Rows up to the bucket's top are committed: missing ones were
+                # pruned, or their shard let go of the bucket (a move's end)
+                # while this page was read.  Only the gapless part is used.
+                pruned = self.ends([b]).get(b, (0, 0))[1]
+                if gapless == 0 and pruned > at:
+                    self._pruned(b, at, pruned, who)
+                rows = rows[:gapless]
+                truncated.add(b)
+            streams[b] = rows
+        out: list[Change] = []
+        after = dict(positions)
+        heap = [(rows[0].updated, b, 0) for b, rows in streams.items() if rows]
+        heapq.heapify(heap)
+        while heap and len(out) < limit:
+            _, b, i = heapq.heappop(heap)
+            row = streams[b][i]
+            out.append(self._change(row))
+            after[b] = row.pos
+            if i + 1 < len(streams[b]):
+                heapq.heappush(heap, (streams[b][i + 1].updated, b, i + 1))
+            elif b in truncated:
+                break  # its next change may be older than the others' next
+        return out, after
+
+    def _pruned(self, bucket: int, at: int, pruned: int, who: str) -> None:
+        whom = f"consumer {who!r}" if who else "this cursor"
+        fix = f"`bagstore consumers reset {who}`" if who else "read from the start (since=None)"
+        raise ChangesPruned(
+            f"{whom} of kind {self.kind!r} fell behind the changes kept: bucket {bucket} "
+            f"was read to position {at}, but changes up to {pruned} were deleted by "
+            f"retention (max_age / max_changes); {fix}"
+        )
+
+    def _change(self, row: sql.ChangeRow) -> Change:
+        entity = codec.decode(row.body) if row.body is not None else None
+        return Change(
+            row.id,
+            "put" if row.op == sql.PUT else "delete",
+            row.version,
+            row.updated,
+            entity,
+            row.kind,
+            row.bucket,
+            row.pos,
+        )
+
+    # -- cursors -------------------------------------------------------------------
+    def key(self) -> bytes:
+        """The store's secret for signing cursors (made once, kept in the catalog)."""
+        if self._key is None:
+            self.catalog.insert_ignore(
+                "bagstore_meta", ("name", "value"), [("cursor_key", secrets.token_hex(16))]
+            )
+            rows = self.catalog.select_all("bagstore_meta", ("value",), {"name": "cursor_key"})
+            self._key = bytes.fromhex(str(rows[0][0]))
+        return self._key
+
+    def _mac(self, body: str) -> str:
+        store = self.router.placement.store_id
+        data = f"{store}|{self.kind}|{body}".encode()
+        return hmac.new(self.key(), data, hashlib.blake2b).hexdigest()[:24]
+
+    def cursor(self, positions: dict[int, int]) -> str:
+        """An opaque, signed cursor holding ``positions``."""
+        body = f"{self.router.placement.version}.{encode_positions(positions)}"
+        return f"{_CURSOR_PREFIX}{body}.{self._mac(body)}"
+
+    def positions_of(self, cursor: object) -> dict[int, int]:
+        """The positions a cursor of this store and kind holds (InvalidQuery if
+        it is not one)."""
+        if cursor is None:
+            return {}
+        if not isinstance(cursor, str) or not cursor.startswith(_CURSOR_PREFIX):
+            raise InvalidQuery(f"not a change feed cursor: {str(cursor)[:40]!r}")
+        body, _, mac = cursor[len(_CURSOR_PREFIX) :].rpartition(".")
+        if not hmac.compare_digest(mac, self._mac(body)):
+            raise InvalidQuery(
+                f"this cursor is not one of the change feed of kind {self.kind!r} of this "
+                "store (another store's or kind's, or altered)"
+            )
+        try:
+            positions = decode_positions(body.partition(".")[2])
+        except (ValueError, zlib.error):
+            raise InvalidQuery("a damaged change feed cursor") from None
+        if any(b >= self.router.placement.buckets for b in positions):
+            raise InvalidQuery("a change feed cursor naming buckets this store lacks")
+        return positions
+
+    def changes(self, since: str | None = None, limit: int = 1000) -> ChangePage:
+        """The changes after the cursor ``since`` (from the oldest kept when
+        None), at most ``limit``; the page's ``cursor`` reads on."""
+        if type(limit) is not int or not 1 <= limit <= MAX_LIMIT:
+            raise InvalidQuery(f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit!r}")
+        positions = self.positions_of(since)
+        if self.settings() is None and not self.ends():
+            raise ConfigurationError(
+                f"the change feed of kind {self.kind!r} is off (ds.feed.enable(), or "
+                "`bagstore feed on`)"
+            )
+        changes, after = self.read(positions, limit, oldest=since is None)
+        return ChangePage(changes, self.cursor(after))
+
+    # -- other kinds, consumers (bagstore.subscriber) ------------------------------
+    def other(self, kind: str | None) -> Feed:
+        """The feed of ``kind`` (this one when None or the same); InvalidQuery
+        for a kind the store does not have."""
+        if kind is None or kind == self.kind:
+            return self
+        if not isinstance(kind, str) or kind not in self.router.catalog.kinds():
+            raise InvalidQuery(f"no kind {kind!r} in this store")
+        return Feed(kind, self.router)
+
+    def consumers(self) -> list[dict[str, Any]]:
+        """Every consumer of the store (all kinds) and its lag: ``name``,
+        ``kind``, ``lag_changes``, ``lag_seconds``, ``processes``."""
+        from bagstore.subscriber import consumer_lags
+
+        return consumer_lags(self.other, self)
+
+    def drop_consumer(self, name: str) -> None:
+        """Forget a consumer: its positions and leases (InvalidQuery if unknown)."""
+        from bagstore.subscriber import drop_consumer
+
+        drop_consumer(self, name)
+
+    def reset_consumer(self, name: str, *, to: str = "start") -> None:
+        """Set a consumer back to the oldest change kept (``"start"``) or on to
+        after the newest (``"end"``)."""
+        from bagstore.subscriber import reset_consumer
+
+        reset_consumer(self.other, self, name, to=to)
+
+    def end_cursor(self) -> str:
+        """A cursor after every change committed so far (to follow from now)."""
+        return self.cursor({b: top for b, (top, _) in self.ends().items()})
+
+
+# -- bucket moves (bagstore.scaleout.Mover) ------------------------------------------
+def sync_bucket_changes(src: Backend, dst: Backend, bucket: int, step: int) -> int:
+    """Copy a bucket's change rows that ``dst`` lacks, ``step`` rows per
+    statement, then its position rows: change rows are never rewritten, so
+    those above ``dst``'s highest are all it lacks.  Returns rows copied."""
+    copied = 0
+    have = sql.bucket_change_tops(dst, bucket)
+    tops = sql.bucket_positions(src, bucket)
+    for kind, (top, _) in tops.items():
+        after = have.get(kind, 0)
+        while after < top:
+            rows = sql.bucket_change_rows(src, kind, bucket, after, step)
+            if not rows:
+                break
+            sql.copy_change_rows(dst, rows)
+            copied += len(rows)
+            after = rows[-1].pos
+    sql.set_positions(dst, bucket, tops)
+    return copied
+
+
+def prepare_feeds(catalog: Backend, backend: Backend) -> None:
+    """A shard joining the store records the changes of every kind whose feed is on."""
+    sql.create_feed_catalog(catalog)
+    sql.ensure_change_tables(backend)
+    for kind, bodies in catalog.select_all("bagstore_feeds", ("kind", "bodies")):
+        sql.set_triggers(backend, str(kind), on=True, bodies=bool(bodies))
