@@ -37,7 +37,7 @@ import secrets
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from bagstore import codec
 from bagstore.backends import Backend, check_identifier
@@ -57,8 +57,7 @@ MAX_LIMIT = 10_000
 _CURSOR_PREFIX = "c1."
 
 
-@dataclass(frozen=True, slots=True)
-class Change:
+class Change(NamedTuple):
     """One committed write: ``op`` ``"put"`` or ``"delete"``; ``version`` the
     entity's version after a put (a delete: the version it removed);
     ``updated`` µs since the epoch (UTC); ``entity`` the body after a put when
@@ -189,14 +188,18 @@ class Feed:
         backends = self.router.backends
         wanted = None if buckets is None else set(buckets)
 
-        def on(shard: int) -> dict[int, tuple[int, int]]:
-            found = sql.positions(backends[shard], self.kind)
-            return {b: v for b, v in found.items() if wanted is None or b in wanted}
+        def on(group: list[int]) -> dict[int, dict[int, tuple[int, int]]]:
+            if len(group) == 1:
+                return {group[0]: sql.positions(backends[group[0]], self.kind)}
+            return sql.positions_together(self.kind, [(s, backends[s]) for s in group])
 
+        found: dict[int, dict[int, tuple[int, int]]] = {}
+        for part in self.router.map(on, self._groups(list(range(len(backends))))):
+            found.update(part)
         out: dict[int, tuple[int, int, int]] = {}
-        for shard, part in enumerate(self.router.map(on, list(range(len(backends))))):
-            for b, (top, pruned) in part.items():
-                if b >= placement.buckets:
+        for shard in sorted(found):
+            for b, (top, pruned) in found[shard].items():
+                if b >= placement.buckets or (wanted is not None and b not in wanted):
                     continue
                 best = out.get(b)
                 if (
@@ -230,7 +233,8 @@ class Feed:
                 active[b] = (at, top)
         if not active:
             return [], dict(positions)
-        cap = min(limit, max(16, -(-2 * limit // len(active))))
+        # rows read per bucket: a little over an even share of the page
+        cap = min(limit, max(8, -(-3 * limit // (2 * len(active)))))
         by_shard: dict[int, list[tuple[int, int, int]]] = {}
         truncated = set()
         for b, (at, top) in active.items():
@@ -238,45 +242,104 @@ class Feed:
             if hi < top:
                 truncated.add(b)
             by_shard.setdefault(ends[b][2], []).append((b, at + 1, hi))
+        for asked in by_shard.values():
+            asked.sort()
         backends = self.router.backends
-        parts = self.router.map(
-            lambda item: sql.read_ranges(backends[item[0]], self.kind, item[1]),
-            list(by_shard.items()),
-        )
-        streams: dict[int, list[sql.ChangeRow]] = {}
-        for rows in parts:
-            for r in rows:
-                streams.setdefault(r.bucket, []).append(r)
+
+        def on(group: list[int]) -> list[tuple[Any, ...]]:
+            if len(group) == 1:
+                return sql.read_ranges(backends[group[0]], self.kind, by_shard[group[0]])
+            return sql.ranges_together(self.kind, [(backends[s], by_shard[s]) for s in group])
+
+        groups = self._groups(sorted(by_shard))
+        parts = self.router.map(on, groups)
+        # rows (bucket, pos, id, op, version, updated, body), per bucket by pos
+        streams: dict[int, list[tuple[Any, ...]]] = {}
+        for group, rows in zip(groups, parts, strict=True):
+            self._split([r for s in group for r in by_shard[s]], rows, streams)
         for b, (at, _) in active.items():
-            rows = sorted(streams.get(b, []), key=lambda r: r.pos)
+            rows = streams.get(b, [])
             expected = min(active[b][1], at + cap) - at
+            if len(rows) == expected and (not rows or rows[-1][1] - rows[0][1] == expected - 1):
+                continue  # positions at+1 ... at+expected, none missing
             gapless = 0
-            while gapless < len(rows) and rows[gapless].pos == at + 1 + gapless:
+            while gapless < len(rows) and rows[gapless][1] == at + 1 + gapless:
                 gapless += 1
-            if gapless < expected:
-                # Rows up to the bucket's top are committed: missing ones were
-                # pruned, or their shard let go of the bucket (a move's end)
-                # while this page was read.  Only the gapless part is used.
-                pruned = self.ends([b]).get(b, (0, 0))[1]
-                if gapless == 0 and pruned > at:
-                    self._pruned(b, at, pruned, who)
-                rows = rows[:gapless]
-                truncated.add(b)
-            streams[b] = rows
+            # Rows up to the bucket's top are committed: missing ones were
+            # pruned, or their shard let go of the bucket (a move's end)
+            # while this page was read.  Only the gapless part is used.
+            pruned = self.ends([b]).get(b, (0, 0))[1]
+            if gapless == 0 and pruned > at:
+                self._pruned(b, at, pruned, who)
+            streams[b] = rows[:gapless]
+            truncated.add(b)
         out: list[Change] = []
         after = dict(positions)
-        heap = [(rows[0].updated, b, 0) for b, rows in streams.items() if rows]
+        heap = [(rows[0][5], b, 0) for b, rows in streams.items() if rows]
         heapq.heapify(heap)
+        kind, decode = self.kind, codec.decode
         while heap and len(out) < limit:
             _, b, i = heapq.heappop(heap)
-            row = streams[b][i]
-            out.append(self._change(row))
-            after[b] = row.pos
-            if i + 1 < len(streams[b]):
-                heapq.heappush(heap, (streams[b][i + 1].updated, b, i + 1))
+            stream = streams[b]
+            _, pos, entity_id, op, version, updated, body = stream[i]
+            out.append(
+                Change(
+                    entity_id,
+                    "put" if op == sql.PUT else "delete",
+                    version,
+                    updated,
+                    decode(body) if body is not None else None,
+                    kind,
+                    b,
+                    pos,
+                )
+            )
+            after[b] = pos
+            if i + 1 < len(stream):
+                heapq.heappush(heap, (stream[i + 1][5], b, i + 1))
             elif b in truncated:
                 break  # its next change may be older than the others' next
         return out, after
+
+    def _groups(self, shards: list[int]) -> list[list[int]]:
+        """Shards grouped so that one statement reads each group (databases of
+        one server reached with one login, see ``Backend.together``)."""
+        backends = self.router.backends
+        keyed: dict[Any, list[int]] = {}
+        for s in shards:
+            b = backends[s]
+            key = b.together if b.union_reads and b.together is not None else ("alone", s)
+            keyed.setdefault(key, []).append(s)
+        out: list[list[int]] = []
+        for group in keyed.values():
+            size = backends[group[0]].max_together or len(group)
+            out += [group[n : n + size] for n in range(0, len(group), size)]
+        return out
+
+    @staticmethod
+    def _split(
+        asked: list[tuple[int, int, int]],
+        rows: list[tuple[Any, ...]],
+        streams: dict[int, list[tuple[Any, ...]]],
+    ) -> None:
+        """Rows of one shard's ranges (in bucket, position order) into
+        ``streams`` by bucket: sliced by the counts asked when every row is
+        there, else row by row."""
+        if len(rows) == sum(hi - lo + 1 for _, lo, hi in asked):
+            start = 0
+            for b, lo, hi in asked:
+                end = start + hi - lo + 1
+                part = rows[start:end]
+                if part[0][0] != b or part[0][1] != lo or part[-1][1] != hi:
+                    break
+                streams[b] = part
+                start = end
+            else:
+                return
+        for b, _, _ in asked:
+            streams.pop(b, None)
+        for r in rows:
+            streams.setdefault(r[0], []).append(r)
 
     def _pruned(self, bucket: int, at: int, pruned: int, who: str) -> None:
         whom = f"consumer {who!r}" if who else "this cursor"
@@ -285,19 +348,6 @@ class Feed:
             f"{whom} of kind {self.kind!r} fell behind the changes kept: bucket {bucket} "
             f"was read to position {at}, but changes up to {pruned} were deleted by "
             f"retention (max_age / max_changes); {fix}"
-        )
-
-    def _change(self, row: sql.ChangeRow) -> Change:
-        entity = codec.decode(row.body) if row.body is not None else None
-        return Change(
-            row.id,
-            "put" if row.op == sql.PUT else "delete",
-            row.version,
-            row.updated,
-            entity,
-            row.kind,
-            row.bucket,
-            row.pos,
         )
 
     # -- cursors -------------------------------------------------------------------

@@ -58,7 +58,9 @@ __all__ = [
     "first_updated",
     "has_triggers",
     "positions",
+    "positions_together",
     "prune",
+    "ranges_together",
     "read_ranges",
     "set_positions",
     "set_triggers",
@@ -283,22 +285,75 @@ _RANGES_PER_STATEMENT = 200
 
 def read_ranges(
     backend: Backend, kind: str, ranges: Sequence[tuple[int, int, int]]
-) -> list[ChangeRow]:
+) -> list[tuple[Any, ...]]:
     """The change rows of ``kind`` with ``lo <= pos <= hi`` in each ``(bucket,
-    lo, hi)``: ranges of the primary key, in one statement per 200 buckets."""
+    lo, hi)``: a ``UNION ALL`` of primary-key ranges (faster than one ``OR``
+    of them, which SQLite reads with a temporary b-tree), one statement per
+    200 buckets; rows ``(bucket, pos, id, op, version, updated, body)`` as the
+    driver returns them, normally in the order of ``ranges`` and positions
+    (callers check)."""
     d = backend.dialect
     p = d.param
-    out: list[ChangeRow] = []
+    one = (
+        f"SELECT bucket, pos, id, op, version, updated, body FROM {CHANGES} "
+        f"WHERE kind = {p} AND bucket = {p} AND pos >= {p} AND pos <= {p}"
+    )
+    out: list[tuple[Any, ...]] = []
     for start in range(0, len(ranges), _RANGES_PER_STATEMENT):
         part = ranges[start : start + _RANGES_PER_STATEMENT]
-        cond = " OR ".join(
-            [f"(kind = {p} AND bucket = {p} AND pos BETWEEN {p} AND {p})"] * len(part)
-        )
         params: list[Any] = []
         for bucket, lo, hi in part:
             params += [kind, bucket, lo, hi]
-        sql = f"SELECT {_COLUMNS} FROM {CHANGES} WHERE {cond}"
-        out += [_row(r) for r in backend.fetchall(sql, params)]
+        out += backend.fetchall(backend.sql("union_all_sql", (one,) * len(part)), params)
+    return out
+
+
+def _table(backend: Backend, table: str, qualified: bool) -> str:
+    return f"{backend.dialect.q(backend.schema)}.{table}" if qualified and backend.schema else table
+
+
+def positions_together(
+    kind: str, shards: Sequence[tuple[int, Backend]]
+) -> dict[int, dict[int, tuple[int, int]]]:
+    """:func:`positions` of several shards of one ``together`` key in one
+    statement (on the first's connection); ``{shard: {bucket: (pos, pruned)}}``."""
+    lead = shards[0][1]
+    p = lead.dialect.param
+    parts = [
+        f"SELECT {int(no)}, bucket, pos, pruned FROM {_table(b, POSITIONS, True)} WHERE kind = {p}"
+        for no, b in shards
+    ]
+    rows = lead.read_together(
+        lead.dialect.union_all_sql(parts), [kind] * len(shards), [b for _, b in shards]
+    )
+    out: dict[int, dict[int, tuple[int, int]]] = {no: {} for no, _ in shards}
+    for no, bucket, pos, pruned in rows:
+        out[int(no)][int(bucket)] = (int(pos), int(pruned))
+    return out
+
+
+def ranges_together(
+    kind: str, parts: Sequence[tuple[Backend, Sequence[tuple[int, int, int]]]]
+) -> list[tuple[Any, ...]]:
+    """:func:`read_ranges` of several shards of one ``together`` key, one
+    statement per 200 ranges (on the first's connection), in the order asked."""
+    lead = parts[0][0]
+    p = lead.dialect.param
+    asked = [(b, r) for b, ranges in parts for r in ranges]
+    out: list[tuple[Any, ...]] = []
+    for start in range(0, len(asked), _RANGES_PER_STATEMENT):
+        chunk = asked[start : start + _RANGES_PER_STATEMENT]
+        selects: list[str] = []
+        params: list[Any] = []
+        for backend, (bucket, lo, hi) in chunk:
+            selects.append(
+                "SELECT bucket, pos, id, op, version, updated, body FROM "
+                f"{_table(backend, CHANGES, True)} "
+                f"WHERE kind = {p} AND bucket = {p} AND pos >= {p} AND pos <= {p}"
+            )
+            params += [kind, bucket, lo, hi]
+        reach = list({id(b): b for b, _ in chunk}.values())
+        out += lead.read_together(lead.dialect.union_all_sql(selects), params, reach)
     return out
 
 
@@ -307,7 +362,7 @@ def first_updated(backend: Backend, kind: str, at: Sequence[tuple[int, int]]) ->
     if not at:
         return {}
     rows = read_ranges(backend, kind, [(b, pos, pos) for b, pos in at])
-    return {r.bucket: r.updated for r in rows}
+    return {int(r[0]): int(r[5]) for r in rows}
 
 
 # -- bucket moves ------------------------------------------------------------------
