@@ -359,3 +359,45 @@ def _follow_rebalance(name: str, root: Path, request: pytest.FixtureRequest) -> 
             from tests import servers
 
             servers.drop_databases("127.0.0.1", 3306, [extra.rsplit("/", 1)[1]])
+
+
+# -- retention -----------------------------------------------------------------------------
+def test_retention_keeps_what_consumers_need_and_caps(topo: Topology) -> None:
+    ds = topo.open(buckets=4)
+    ds.feed.enable(max_age=1, max_changes=1000)
+    ids = ds.put_many([{"n": i} for i in range(40)])
+    handled: list[bytes] = []
+    slow = ds.subscribe("slow", lambda cs: handled.extend(c.id for c in cs), batch=10)
+    slow.poll()  # some of each range handled, the rest not
+    cleaner = bagstore.Cleaner(ds)
+    from bagstore.retention import prune_changes
+
+    assert prune_changes(ds.feed, now=time.time_ns() // 1000) == 0  # none older than 1 s
+    later = time.time_ns() // 1000 + 5_000_000
+    pruned = prune_changes(ds.feed, now=later)
+    assert pruned == len(handled) > 0  # old enough and handled: gone; the rest kept
+    while slow.poll():
+        pass
+    assert sorted(handled) == sorted(ids)  # nothing the consumer needed was lost
+    slow.close()
+    assert prune_changes(ds.feed, now=later) == 40 - pruned
+    # the hard cap: a dead consumer does not keep changes for ever
+    ds.feed.enable(max_age=1, max_changes=2)
+    dead = ds.subscribe("dead", lambda cs: None)
+    dead.close()
+    ds.put_many([{"n": i} for i in range(20)])
+    n = cleaner.prune_changes()
+    kept = ds.changes(limit=100)
+    assert 0 < len(kept) <= 2 * 4 and n == 20 - len(kept)
+    failing = ds.subscribe("dead", lambda cs: None)
+    with pytest.raises(bagstore.ChangesPruned, match=r"consumer 'dead' .* consumers reset dead"):
+        failing.poll()
+    failing.close()
+    ds.feed.reset_consumer("dead")
+    again: list[bytes] = []
+    revived = ds.subscribe("dead", lambda cs: again.extend(c.id for c in cs))
+    while revived.poll():
+        pass
+    assert len(again) == len(kept)
+    with pytest.raises(bagstore.ChangesPruned, match="this cursor"):
+        ds.changes(since=ds.feed.cursor({}))
