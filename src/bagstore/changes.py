@@ -128,6 +128,11 @@ class Feed:
         self.catalog = router.catalog_backend
         sql.create_feed_catalog(self.catalog)
         self._key: bytes | None = None
+        #: bucket -> change rows read and not returned yet, in position order
+        self._ahead: dict[int, list[tuple[Any, ...]]] = {}
+        #: the buckets asked and the positions read for the last page, if it
+        #: left changes known to be there
+        self._full_page: tuple[frozenset[int] | None, dict[int, tuple[int, int, int]]] | None = None
 
     # -- settings ------------------------------------------------------------------
     def settings(self) -> FeedSettings | None:
@@ -223,7 +228,13 @@ class Feed:
         at most ``limit``, and the positions after them.  ``oldest``: a bucket
         missing from ``positions`` starts at the oldest change kept."""
         wanted = None if buckets is None else set(buckets)
-        ends = self.holders(wanted)
+        key = None if wanted is None else frozenset(wanted)
+        # After a page that left changes known to be there, the positions read
+        # for it still show work (a reader catching up saves a round trip a
+        # page); otherwise, and after an empty page, they are read afresh.
+        known = self._full_page
+        self._full_page = None
+        ends = known[1] if known is not None and known[0] == key else self.holders(wanted)
         active: dict[int, tuple[int, int]] = {}
         for b, (top, pruned, _) in ends.items():
             at = positions.get(b, pruned if oldest else 0)
@@ -233,15 +244,26 @@ class Feed:
                 active[b] = (at, top)
         if not active:
             return [], dict(positions)
-        # rows read per bucket: a little over an even share of the page
-        cap = min(limit, max(8, -(-3 * limit // (2 * len(active)))))
+        # rows read per bucket: twice an even share of the page (what is not
+        # returned is kept for the next page, see _ahead)
+        cap = min(limit, max(8, -(-2 * limit // len(active))))
         by_shard: dict[int, list[tuple[int, int, int]]] = {}
         truncated = set()
+        # Rows read ahead by an earlier page and not returned yet (change rows
+        # never change: any reader may use them).
+        cached: dict[int, list[tuple[Any, ...]]] = {}
         for b, (at, top) in active.items():
             hi = min(top, at + cap)
             if hi < top:
                 truncated.add(b)
-            by_shard.setdefault(ends[b][2], []).append((b, at + 1, hi))
+            lo = at + 1
+            ahead = self._ahead.get(b)
+            if ahead and ahead[0][1] <= lo <= ahead[-1][1]:
+                have = ahead[lo - ahead[0][1] : hi - ahead[0][1] + 1]
+                cached[b] = have
+                lo += len(have)
+            if lo <= hi:
+                by_shard.setdefault(ends[b][2], []).append((b, lo, hi))
         for asked in by_shard.values():
             asked.sort()
         backends = self.router.backends
@@ -258,7 +280,8 @@ class Feed:
         for group, rows in zip(groups, parts, strict=True):
             self._split([r for s in group for r in by_shard[s]], rows, streams)
         for b, (at, _) in active.items():
-            rows = streams.get(b, [])
+            rows = cached.get(b, []) + streams.get(b, []) if b in cached else streams.get(b, [])
+            streams[b] = rows
             expected = min(active[b][1], at + cap) - at
             if len(rows) == expected and (not rows or rows[-1][1] - rows[0][1] == expected - 1):
                 continue  # positions at+1 ... at+expected, none missing
@@ -299,6 +322,15 @@ class Feed:
                 heapq.heappush(heap, (stream[i + 1][5], b, i + 1))
             elif b in truncated:
                 break  # its next change may be older than the others' next
+        if out and any(ends[b][0] > after.get(b, 0) for b in active):
+            self._full_page = (key, ends)  # more is known to be there
+        for b, rows in streams.items():  # what this page read and did not return
+            last = after.get(b, active[b][0])
+            left = rows[last - rows[0][1] + 1 :] if rows else []
+            if left:
+                self._ahead[b] = left
+            else:
+                self._ahead.pop(b, None)
         return out, after
 
     def _groups(self, shards: list[int]) -> list[list[int]]:
