@@ -14,6 +14,9 @@ Metrics (each backend; four shards, 64 buckets):
   over 20,000 changes with bodies (decoded), beside raw DB-API reading the
   same rows by position (one keyset ``SELECT`` of 1,000 rows per page and
   shard, bodies decoded the same way).  Goal: >= 0.8x.
+- ``4 writers of one bucket``: four threads putting entities of one shard
+  key (one bucket), feed on vs off: with the feed on, writers of one bucket
+  wait for each other's commit (its position row).  Reported.
 - ``lag p99 at 500 puts/s``: a writer thread puts 500 entities a second while
   a follower reads ``ds.changes`` every 10 ms; the time from each put's
   stamp to its change being read.  Reported (no raw counterpart).
@@ -167,6 +170,52 @@ def read_speed(backend: str, urls: list[str], raw_of: Any, total: int, rounds: i
     )
 
 
+def _writers(ds: bagstore.Datastore, threads: int, seconds: float) -> float:
+    """Puts per second of ``threads`` threads putting entities of one user."""
+    done = [0] * threads
+    stop = threading.Event()
+
+    def run(i: int) -> None:
+        while not stop.is_set():
+            ds.put({"user": "one", "n": done[i]})
+            done[i] += 1
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    time.sleep(seconds)
+    stop.set()
+    for w in workers:
+        w.join()
+    return sum(done) / (time.perf_counter() - t0)
+
+
+def one_bucket(backend: str, urls: list[str], rounds: int, seconds: float) -> Row:
+    """Four threads writing one bucket (a kind placed by a shard key, one key):
+    with the feed on, each write holds the bucket's position row until it
+    commits, so these writers commit one after another."""
+    on = bagstore.Datastore(urls, buckets=64, kind="hot_on", shard_key="user")
+    on.feed.enable()
+    off = bagstore.Datastore(urls, buckets=64, kind="hot_off", shard_key="user")
+    bag: list[float] = []
+    raw: list[float] = []
+    for i in range(rounds):
+        for side in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            (bag if side == "on" else raw).append(_writers(on if side == "on" else off, 4, seconds))
+    on.close()
+    off.close()
+    ratio = statistics.median(b / r for b, r in zip(bag, raw, strict=True))
+    return Row(
+        f"{backend}: 4 writers of one bucket, feed on vs off, puts",
+        statistics.median(bag),
+        statistics.median(raw),
+        ratio,
+        "report",
+        None,
+    )
+
+
 def lag(backend: str, urls: list[str], seconds: float) -> Row:
     ds = bagstore.Datastore(urls, buckets=64, kind="lagged")
     ds.feed.enable()
@@ -223,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for backend in backends:
         with open_store(backend) as (urls, raw_of):
             rows += put_cost(backend, urls, rounds, seconds)
+            rows.append(one_bucket(backend, urls, rounds, seconds))
             rows.append(read_speed(backend, urls, raw_of, total, rounds))
             rows.append(lag(backend, urls, 2.0 if args.quick else 10.0))
     print_rows(
