@@ -130,6 +130,7 @@ class Feed:
         self._key: bytes | None = None
         #: bucket -> change rows read and not returned yet, in position order
         self._ahead: dict[int, list[tuple[Any, ...]]] = {}
+        self._others: dict[str, Feed] = {}  # other kinds' feeds (see other())
         #: the buckets asked and the positions read for the last page, if it
         #: left changes known to be there
         self._full_page: tuple[frozenset[int] | None, dict[int, tuple[int, int, int]]] | None = None
@@ -444,9 +445,12 @@ class Feed:
         for a kind the store does not have."""
         if kind is None or kind == self.kind:
             return self
-        if not isinstance(kind, str) or kind not in self.router.catalog.kinds():
-            raise InvalidQuery(f"no kind {kind!r} in this store")
-        return Feed(kind, self.router)
+        feed = self._others.get(kind) if isinstance(kind, str) else None
+        if feed is None:
+            if not isinstance(kind, str) or kind not in self.router.catalog.kinds():
+                raise InvalidQuery(f"no kind {kind!r} in this store")
+            feed = self._others[kind] = Feed(kind, self.router)
+        return feed
 
     def consumers(self) -> list[dict[str, Any]]:
         """Every consumer of the store (all kinds) and its lag: ``name``,
