@@ -169,3 +169,36 @@ def test_sigkilled_writers_and_consumers_soak(
     ):
         pytest.skip("soak test: run with -m soak or BAGSTORE_SOAK=1")
     _run(topo, tmp_path, 30)
+
+
+def test_two_processes_of_one_consumer(topo: Topology, tmp_path: Path) -> None:
+    """Two real processes of one consumer while writes go on: every change
+    handled, none by both (ranges change hands only after a checkpoint)."""
+    ds = topo.open(buckets=32)
+    ds.feed.enable()
+    logs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    procs = [
+        _spawn(CONSUMER.replace('"killed"', '"pair"'), {"urls": topo.urls, "log": str(log)})
+        for log in logs
+    ]
+    written = 0
+    try:
+        deadline = time.monotonic() + 60
+        while written < 200 or not all(log.exists() and log.stat().st_size for log in logs):
+            assert time.monotonic() < deadline, "the second process never took a share"
+            ds.put_many([{"n": i} for i in range(20)])
+            written += 20
+            time.sleep(0.05)
+        while ds.feed.consumers()[0]["lag_changes"]:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            _kill(p)
+    handled = [
+        [tuple(json.loads(line)) for line in log.read_text().splitlines() if line] for log in logs
+    ]
+    assert all(handled), "both processes took a share"
+    a, b = (set(h) for h in handled)
+    assert len(a) + len(b) == sum(len(h) for h in handled) == written  # none twice
+    assert not a & b
