@@ -401,3 +401,35 @@ def test_retention_keeps_what_consumers_need_and_caps(topo: Topology) -> None:
     assert len(again) == len(kept)
     with pytest.raises(bagstore.ChangesPruned, match="this cursor"):
         ds.changes(since=ds.feed.cursor({}))
+
+
+@pytest.mark.parametrize("ending", ["resume", "rollback"])
+@pytest.mark.parametrize("point", ["move.after_copy", "move.after_freeze", "move.after_switch"])
+def test_a_crashed_move_keeps_the_feed_whole(tmp_path: Path, point: str, ending: str) -> None:
+    """A move that crashed at each step, then resumed or rolled back: the feed
+    reads every change once, gapless, and the shard left holds no copy."""
+    urls = [f"sqlite:///{tmp_path}/s{i}.db" for i in range(2)]
+    ds = bagstore.Datastore(urls, buckets=8)
+    ds.feed.enable()
+    ids = ds.put_many([{"n": i} for i in range(60)])
+    bucket = ds.bucket_of_id(ids[0])
+    assert bucket is not None
+    source = ds.placement.shard_of_bucket[bucket]
+    mover = bagstore.Mover(ds, grace=0)
+    with testing.failpoint(point), pytest.raises(testing.SimulatedCrash):
+        mover.move([bucket], to=1 - source)
+    ds.refresh_placement(force=True)
+    if ending == "rollback" and point != "move.after_switch":
+        mover.rollback(bucket)
+    else:
+        mover.resume()
+    ds.put({"id": ids[0], "n": -1})  # written where the bucket is now
+    changes, _ = drain(ds)
+    assert sorted(c.id for c in changes) == sorted(ids + [ids[0]])
+    mine = [c.position for c in changes if c.bucket == bucket]
+    assert mine == list(range(1, len(mine) + 1))
+    owner = ds.placement.shard_of_bucket[bucket]
+    other = ds.router.backends[1 - owner]
+    assert other.fetchall("SELECT pos FROM bagstore_changes WHERE bucket = ?", [bucket]) == []
+    assert other.fetchall("SELECT pos FROM bagstore_change_pos WHERE bucket = ?", [bucket]) == []
+    ds.close()

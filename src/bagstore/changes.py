@@ -34,8 +34,9 @@ import heapq
 import hmac
 import json
 import secrets
+import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -478,22 +479,32 @@ class Feed:
 
 
 # -- bucket moves (bagstore.scaleout.Mover) ------------------------------------------
-def sync_bucket_changes(src: Backend, dst: Backend, bucket: int, step: int) -> int:
+def sync_bucket_changes(
+    src: Backend,
+    dst: Backend,
+    bucket: int,
+    step: int,
+    after_step: Callable[[int, float], None] | None = None,
+) -> int:
     """Copy a bucket's change rows that ``dst`` lacks, ``step`` rows per
     statement, then its position rows: change rows are never rewritten, so
-    those above ``dst``'s highest are all it lacks.  Returns rows copied."""
+    those above ``dst``'s highest are all it lacks.  ``after_step(rows,
+    started)`` after each statement (the mover's pacing).  Returns rows copied."""
     copied = 0
     have = sql.bucket_change_tops(dst, bucket)
     tops = sql.bucket_positions(src, bucket)
     for kind, (top, _) in tops.items():
         after = have.get(kind, 0)
         while after < top:
+            started = time.monotonic()
             rows = sql.bucket_change_rows(src, kind, bucket, after, step)
             if not rows:
                 break
             sql.copy_change_rows(dst, rows)
             copied += len(rows)
             after = rows[-1].pos
+            if after_step is not None:
+                after_step(len(rows), started)
     sql.set_positions(dst, bucket, tops)
     return copied
 

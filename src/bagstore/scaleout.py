@@ -409,7 +409,9 @@ class Mover:
             if not any(k == kind and i == entity_id for k, i, _ in have_ids):
                 dst.forget_ids(kind, [entity_id])
         # change feed rows and positions travel with their bucket (bagstore.changes)
-        sync_bucket_changes(src, dst, b, max(step, 100))
+        sync_bucket_changes(
+            src, dst, b, max(step, 100), lambda n, t0: self._paced(dst, n, t0, paced)
+        )
 
     @long_statements()
     def _clear(self, b: int, backend: Backend, layout: _Layout | None = None) -> int:

@@ -408,13 +408,26 @@ def set_positions(backend: Backend, bucket: int, tops: dict[str, tuple[int, int]
         backend.upsert(POSITIONS, {"kind": kind, "bucket": bucket}, {"pos": pos, "pruned": pruned})
 
 
-def clear_bucket_changes(backend: Backend, bucket: int) -> int:
-    """Delete a bucket's change rows and position rows on this shard."""
-    d = backend.dialect
+def clear_bucket_changes(backend: Backend, bucket: int, step: int = 1000) -> int:
+    """Delete a bucket's change rows and position rows on this shard (the
+    rows in steps of ``step`` positions); the number of change rows deleted."""
+    p = backend.dialect.param
     # positions first: a reader never takes this shard for the bucket's holder
     # while its rows are going
-    backend.execute(f"DELETE FROM {POSITIONS} WHERE bucket = {d.param}", [bucket])
-    return backend.execute(f"DELETE FROM {CHANGES} WHERE bucket = {d.param}", [bucket])
+    backend.execute(f"DELETE FROM {POSITIONS} WHERE bucket = {p}", [bucket])
+    deleted = 0
+    spans = backend.fetchall(
+        f"SELECT kind, MIN(pos), MAX(pos) FROM {CHANGES} WHERE bucket = {p} GROUP BY kind",
+        [bucket],
+    )
+    for kind, low, high in spans:
+        for start in range(int(low), int(high) + 1, step):
+            deleted += backend.execute(
+                f"DELETE FROM {CHANGES} WHERE kind = {p} AND bucket = {p} "
+                f"AND pos >= {p} AND pos < {p}",
+                [kind, bucket, start, start + step],
+            )
+    return deleted
 
 
 # -- retention ----------------------------------------------------------------------
