@@ -425,7 +425,7 @@ def test_a_crashed_move_keeps_the_feed_whole(tmp_path: Path, point: str, ending:
         mover.resume()
     ds.put({"id": ids[0], "n": -1})  # written where the bucket is now
     changes, _ = drain(ds)
-    assert sorted(c.id for c in changes) == sorted(ids + [ids[0]])
+    assert sorted(c.id for c in changes) == sorted([*ids, ids[0]])
     mine = [c.position for c in changes if c.bucket == bucket]
     assert mine == list(range(1, len(mine) + 1))
     owner = ds.placement.shard_of_bucket[bucket]
