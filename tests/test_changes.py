@@ -433,3 +433,13 @@ def test_a_crashed_move_keeps_the_feed_whole(tmp_path: Path, point: str, ending:
     assert other.fetchall("SELECT pos FROM bagstore_changes WHERE bucket = ?", [bucket]) == []
     assert other.fetchall("SELECT pos FROM bagstore_change_pos WHERE bucket = ?", [bucket]) == []
     ds.close()
+
+
+def test_module_doctests_pass() -> None:
+    import doctest
+
+    from bagstore import changes, retention, subscriber
+
+    for module in (changes, subscriber, retention):
+        failed, attempted = doctest.testmod(module)
+        assert failed == 0 and attempted > 0, module.__name__
