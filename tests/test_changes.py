@@ -443,3 +443,34 @@ def test_module_doctests_pass() -> None:
     for module in (changes, subscriber, retention):
         failed, attempted = doctest.testmod(module)
         assert failed == 0 and attempted > 0, module.__name__
+
+
+def test_a_failover_epoch_refuses_older_cursors_and_positions(topo: Topology) -> None:
+    """After ds.feed.new_epoch() (a failover that may have lost writes), a
+    cursor or a consumer position from before is refused, clearly; a reset
+    consumer and a fresh read go on."""
+    ds = topo.open(refresh_interval=0)
+    ds.feed.enable()
+    ds.put_many([{"n": i} for i in range(5)])
+    cursor = ds.changes().cursor
+    seen: list[bytes] = []
+    consumer = ds.subscribe("search", lambda cs: seen.extend(c.id for c in cs))
+    while consumer.poll():
+        pass
+    assert ds.feed.new_epoch() == 1
+    with pytest.raises(bagstore.ChangesLost, match="this cursor .* before a failover"):
+        ds.changes(since=cursor)
+    with pytest.raises(bagstore.ChangesLost, match="consumer 'search'"):
+        consumer.poll()  # a process that ran through the failover
+    consumer.close()
+    late = ds.subscribe("search", print)
+    with pytest.raises(bagstore.ChangesLost):
+        late.poll()  # a process started after it
+    late.close()
+    ds.feed.reset_consumer("search", to="end")
+    ds.put({"n": 5})
+    after = ds.subscribe("search", lambda cs: seen.extend(c.id for c in cs))
+    while after.poll():
+        pass
+    assert len(seen) == 6
+    assert len(ds.changes()) == 6  # from the start: a fresh cursor

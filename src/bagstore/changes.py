@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from bagstore import codec
 from bagstore.backends import Backend, check_identifier
 from bagstore.backends import changesql as sql
-from bagstore.errors import ChangesPruned, ConfigurationError, InvalidQuery
+from bagstore.errors import ChangesLost, ChangesPruned, ConfigurationError, InvalidQuery
 
 if TYPE_CHECKING:
     from bagstore.sharding.router import Router
@@ -129,6 +129,8 @@ class Feed:
         self.catalog = router.catalog_backend
         sql.create_feed_catalog(self.catalog)
         self._key: bytes | None = None
+        self._epoch: int | None = None
+        self._epoch_at = 0.0
         #: bucket -> change rows read and not returned yet, in position order
         self._ahead: dict[int, list[tuple[Any, ...]]] = {}
         self._others: dict[str, Feed] = {}  # other kinds' feeds (see other())
@@ -400,9 +402,43 @@ class Feed:
         data = f"{store}|{self.kind}|{body}".encode()
         return hmac.new(self.key(), data, hashlib.blake2b).hexdigest()[:24]
 
+    def epoch(self) -> int:
+        """The feed's epoch: 0 until a failover that may have lost committed
+        writes moves it on (:meth:`new_epoch`).  Read from the catalog at most
+        every ``refresh_interval`` seconds, as the placement is."""
+        now = time.monotonic()
+        if self._epoch is None or now - self._epoch_at >= self.router.refresh_interval:
+            rows = self.catalog.select_all("bagstore_meta", ("value",), {"name": "feed_epoch"})
+            self._epoch, self._epoch_at = (int(rows[0][0]) if rows else 0), now
+        return self._epoch
+
+    def new_epoch(self) -> int:
+        """Start a new epoch (every kind's feed), for a failover that may have
+        lost committed writes: every cursor and consumer position made before
+        is refused with :class:`bagstore.ChangesLost`, since the changes it had
+        not read may be gone and their positions given to later writes.
+        Returns the new epoch."""
+        self._epoch = None
+        epoch = self.epoch() + 1
+        self.catalog.upsert("bagstore_meta", {"name": "feed_epoch"}, {"value": str(epoch)})
+        self._epoch, self._epoch_at = epoch, time.monotonic()
+        return epoch
+
+    def check_epoch(self, epoch: int, what: str) -> None:
+        """Raise ChangesLost unless ``epoch`` (of a cursor or a consumer's
+        position, named by ``what``) is the feed's current one."""
+        now = self.epoch()
+        if epoch != now:
+            raise ChangesLost(
+                f"{what} of kind {self.kind!r} dates from before a failover (feed epoch "
+                f"{epoch}, now {now}): changes it had not read may be lost and their "
+                "positions reused; read from the start (since=None) or "
+                "ds.feed.end_cursor(), or reset the consumer (bagstore consumers reset NAME)"
+            )
+
     def cursor(self, positions: dict[int, int]) -> str:
-        """An opaque, signed cursor holding ``positions``."""
-        body = f"{self.router.placement.version}.{encode_positions(positions)}"
+        """An opaque, signed cursor holding ``positions`` (and the epoch)."""
+        body = f"{self.router.placement.version}.{self.epoch()}.{encode_positions(positions)}"
         return f"{_CURSOR_PREFIX}{body}.{self._mac(body)}"
 
     def positions_of(self, cursor: object) -> dict[int, int]:
@@ -419,9 +455,11 @@ class Feed:
                 "store (another store's or kind's, or altered)"
             )
         try:
-            positions = decode_positions(body.partition(".")[2])
+            _, epoch, text = body.split(".", 2)
+            positions = decode_positions(text)
         except (ValueError, zlib.error):
             raise InvalidQuery("a damaged change feed cursor") from None
+        self.check_epoch(int(epoch), "this cursor")
         if any(b >= self.router.placement.buckets for b in positions):
             raise InvalidQuery("a change feed cursor naming buckets this store lacks")
         return positions
@@ -432,12 +470,12 @@ class Feed:
         if type(limit) is not int or not 1 <= limit <= MAX_LIMIT:
             raise InvalidQuery(f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit!r}")
         positions = self.positions_of(since)
-        if self.settings() is None and not self.ends():
+        changes, after = self.read(positions, limit, oldest=since is None)
+        if not changes and self.settings() is None and not self.ends():
             raise ConfigurationError(
                 f"the change feed of kind {self.kind!r} is off (ds.feed.enable(), or "
                 "`bagstore feed on`)"
             )
-        changes, after = self.read(positions, limit, oldest=since is None)
         return ChangePage(changes, self.cursor(after))
 
     # -- other kinds, consumers (bagstore.subscriber) ------------------------------

@@ -57,6 +57,17 @@ def _now() -> int:
     return time.time_ns() // 1000
 
 
+def _stored(feed: Feed, positions: dict[int, int]) -> str:
+    """A range's positions as its row holds them: the feed's epoch, then them."""
+    return f"{feed.epoch()}:{encode_positions(positions)}"
+
+
+def _loaded(text: str) -> tuple[int, dict[int, int]]:
+    """``(epoch, positions)`` of a range's row."""
+    epoch, _, positions = text.rpartition(":")
+    return int(epoch or 0), decode_positions(positions) if positions else {}
+
+
 def _check_name(name: object) -> str:
     if (
         not isinstance(name, str)
@@ -132,11 +143,13 @@ class Subscriber:
             self.catalog.insert_ignore(
                 RANGE_ROWS,
                 ("name", "range_no", "positions", "owner", "lease_until", "checkpointed"),
-                [(name, r, encode_positions(start[r]), "", 0, 0) for r in range(self.ranges)],
+                [(name, r, _stored(feed, start[r]), "", 0, 0) for r in range(self.ranges)],
             )
         self.buckets = buckets
         #: range -> positions, of the ranges this process holds
         self.held: dict[int, dict[int, int]] = {}
+        #: range -> the feed's epoch its positions were read in
+        self.epochs: dict[int, int] = {}
 
     # -- leases --------------------------------------------------------------------
     def _rows(self) -> list[tuple[int, str, str, int]]:
@@ -179,7 +192,7 @@ class Subscriber:
             )
             if taken:
                 fresh = [p for r, p, _, _ in self._rows() if r == no]
-                self.held[no] = decode_positions(fresh[0]) if fresh and fresh[0] else {}
+                self.epochs[no], self.held[no] = _loaded(fresh[0] if fresh else "")
 
     def _renew(self, no: int, now: int) -> bool:
         return bool(
@@ -199,6 +212,7 @@ class Subscriber:
         handled = 0
         for no in sorted(self.held):
             positions = self.held[no]
+            self.feed.check_epoch(self.epochs[no], f"consumer {self.name!r}")
             changes, after = self.feed.read(
                 positions,
                 self.batch,
@@ -215,7 +229,7 @@ class Subscriber:
             kept = self.catalog.update(
                 RANGE_ROWS,
                 {
-                    "positions": encode_positions(after),
+                    "positions": _stored(self.feed, after),
                     "checkpointed": _now(),
                     "lease_until": _now() + self.lease_us,
                 },
@@ -269,8 +283,7 @@ def consumer_positions(feed: Feed, name: str) -> dict[int, int]:
     """Every bucket's position as the consumer's checkpoints hold it."""
     out: dict[int, int] = {}
     for (text,) in feed.catalog.select_all(RANGE_ROWS, ("positions",), {"name": name}):
-        if text:
-            out.update(decode_positions(str(text)))
+        out.update(_loaded(str(text))[1])
     return out
 
 
@@ -337,6 +350,6 @@ def reset_consumer(feeds: Callable[[str], Feed], catalog_feed: Feed, name: str, 
         positions = {b: (ends[b][0] if to == "end" else ends[b][1]) for b in mine if b in ends}
         feed.catalog.update(
             RANGE_ROWS,
-            {"positions": encode_positions(positions), "owner": "", "lease_until": 0},
+            {"positions": _stored(feed, positions), "owner": "", "lease_until": 0},
             {"name": name, "range_no": no},
         )
