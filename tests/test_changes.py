@@ -458,7 +458,7 @@ def test_a_failover_epoch_refuses_older_cursors_and_positions(topo: Topology) ->
     while consumer.poll():
         pass
     assert ds.feed.new_epoch() == 1
-    with pytest.raises(bagstore.ChangesLost, match="this cursor .* before a failover"):
+    with pytest.raises(bagstore.ChangesLost, match=r"this cursor .* before a failover"):
         ds.changes(since=cursor)
     with pytest.raises(bagstore.ChangesLost, match="consumer 'search'"):
         consumer.poll()  # a process that ran through the failover
