@@ -56,3 +56,31 @@ def test_changes_and_consumers_at_the_command_line(tmp_path: Path) -> None:
     run(store, "feed", "off")
     with bagstore.open(store) as ds:
         assert ds.feed.settings() is None
+
+
+def test_changes_follow_prints_new_changes_as_they_commit(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    store = tmp_path / "s"
+    run(store, "init", "--shards", "1")
+    run(store, "feed", "on")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bagstore", "--store", str(store), "changes", "--follow", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        with bagstore.open(store) as ds:
+            first = ds.put({"n": 1})
+            assert proc.stdout is not None
+            assert json.loads(proc.stdout.readline())["id"] == first.hex()
+            second = ds.put({"n": 2})  # written while it follows
+            assert json.loads(proc.stdout.readline())["id"] == second.hex()
+    finally:
+        proc.kill()
+        proc.communicate()
