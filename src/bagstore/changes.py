@@ -29,8 +29,8 @@ Guarantees: docs/changes.md.
 from __future__ import annotations
 
 import base64
+import bisect
 import hashlib
-import heapq
 import hmac
 import json
 import secrets
@@ -300,32 +300,42 @@ class Feed:
                 self._pruned(b, at, pruned, who)
             streams[b] = rows[:gapless]
             truncated.add(b)
-        out: list[Change] = []
-        after = dict(positions)
-        heap = [(rows[0][5], b, 0) for b, rows in streams.items() if rows]
-        heapq.heapify(heap)
-        kind, decode = self.kind, codec.decode
-        while heap and len(out) < limit:
-            _, b, i = heapq.heappop(heap)
-            stream = streams[b]
-            _, pos, entity_id, op, version, updated, body = stream[i]
-            out.append(
-                Change(
-                    entity_id,
-                    "put" if op == sql.PUT else "delete",
-                    version,
-                    updated,
-                    decode(body) if body is not None else None,
-                    kind,
-                    b,
-                    pos,
-                )
+        # Merge by time, each bucket's rows in their order: sorted by the
+        # running maximum of `updated` along each bucket (never decreasing
+        # within a bucket), then bucket and position.
+        keyed: list[tuple[int, int, int, tuple[Any, ...]]] = []
+        stop: tuple[int, int, int] | None = None
+        for b, rows in streams.items():
+            high = 0
+            for r in rows:
+                u = r[5]
+                if u > high:
+                    high = u
+                keyed.append((high, b, r[1], r))
+            if rows and b in truncated:
+                # its next change may be older than the others' next: stop
+                # after its last row
+                end = (high, b, rows[-1][1] + 1)
+                stop = end if stop is None or end < stop else stop
+        keyed.sort()
+        n = limit if stop is None else min(limit, bisect.bisect_left(keyed, stop))
+        kind, decode, put = self.kind, codec.decode, sql.PUT
+        out = [
+            Change(
+                r[2],
+                "put" if r[3] == put else "delete",
+                r[4],
+                r[5],
+                decode(r[6]) if r[6] is not None else None,
+                kind,
+                b,
+                pos,
             )
-            after[b] = pos
-            if i + 1 < len(stream):
-                heapq.heappush(heap, (stream[i + 1][5], b, i + 1))
-            elif b in truncated:
-                break  # its next change may be older than the others' next
+            for _, b, pos, r in keyed[:n]
+        ]
+        after = dict(positions)
+        for c in out:
+            after[c.bucket] = c.position
         if out and any(ends[b][0] > after.get(b, 0) for b in active):
             self._full_page = (key, ends)  # more is known to be there
         for b, rows in streams.items():  # what this page read and did not return
