@@ -32,6 +32,7 @@ SUITES = [
     "scaleout",
     "tables",
     "replicas",
+    "changes",
 ]
 
 

@@ -172,6 +172,13 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     assert isinstance(r.outputs["query"][-1]["cursor"], str)
     assert len(r.lines("query", "--all", "--limit", "4", "n__gte=0")) == 30
     assert r.outputs["query"][-1] == {"cursor": None}
+    r.run("feed", "on", "--bodies")
+    r.run("put", json.dumps({"n": -1}))
+    with bagstore.open(r.store) as ds:
+        ds.subscribe("reader", print).close()
+    changed = [_strict(line) for line in r.run("changes", "--json").stdout.splitlines()]
+    assert [c["op"] for c in changed] == ["put"] and changed[0]["entity"]["n"] == -1
+    r.outputs["changes"] = changed
     r.doc("status")
     r.doc("index list")
     assert r.doc("check")["missing"] == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from bagstore import testing
+from bagstore.changes import Change, ChangePage
 from bagstore.cleaner import Cleaner, CleanStats
 from bagstore.codec import MAX_BODY_BYTES
 from bagstore.datastore import DataStore, Datastore, open
@@ -21,6 +22,8 @@ from bagstore.errors import (
     BackendError,
     BagstoreError,
     BagstoreIndexError,
+    ChangesLost,
+    ChangesPruned,
     ConfigurationError,
     DuplicateValue,
     IndexNotReady,
@@ -37,6 +40,7 @@ from bagstore.ids import new_id
 from bagstore.index import Index
 from bagstore.query import QueryResult
 from bagstore.scaleout import Mover, MoveStats
+from bagstore.subscriber import Subscriber
 from bagstore.tables import Model, RowMissing, Rows, Table, auto_id
 
 __version__ = "0.1.0"
@@ -50,6 +54,10 @@ __all__ = [
     "BackendError",
     "BagstoreError",
     "BagstoreIndexError",
+    "Change",
+    "ChangePage",
+    "ChangesLost",
+    "ChangesPruned",
     "CleanStats",
     "Cleaner",
     "ConfigurationError",
@@ -72,6 +80,7 @@ __all__ = [
     "ShardTimeout",
     "ShardUnavailable",
     "StalePlacement",
+    "Subscriber",
     "Table",
     "__version__",
     "auto_id",

@@ -624,6 +624,13 @@ class Cleaner:
             return self._drop_claims(index, [(shard, r) for r in orphans], present)
         return backend.delete_index_rows(index.table, index.properties, orphans)
 
+    def prune_changes(self) -> int:
+        """Delete the change feed's changes that retention allows (every kind;
+        :mod:`bagstore.retention`); the number deleted."""
+        from bagstore.retention import prune_changes
+
+        return prune_changes(self.ds.feed)
+
     def follow(
         self,
         *,
@@ -636,7 +643,8 @@ class Cleaner:
         """Repair forever (or ``passes`` times): each pass covers entities updated
         since the previous pass began, less ``margin`` seconds for writes in
         flight and clock skew; every ``sweep_every`` passes also sweeps for rows
-        of deleted entities.  ``stop()`` or Ctrl-C ends it."""
+        of deleted entities and prunes the change feed (:meth:`prune_changes`).
+        ``stop()`` or Ctrl-C ends it."""
         self._stop.clear()
         total = CleanStats()
         since: int | None = None
@@ -644,6 +652,8 @@ class Cleaner:
         while not self._stop.is_set() and (passes is None or n < passes):
             began = time.time_ns() // 1000
             stats = self.repair(since, sweep=n % sweep_every == 0)
+            if n % sweep_every == 0:
+                self.prune_changes()  # the change feed's retention (docs/changes.md)
             total.add(stats)
             if on_pass is not None:
                 on_pass(stats)

@@ -336,8 +336,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
     replicated = status_part(ds)  # each server's role, lag, semi-sync (docs/replication.md)
     if replicated:
         report["replication"] = replicated
+    lags = ds.feed.consumers()  # the change feed's consumers (bagstore.subscriber)
     if as_json:
         report["indexes"] = [_index_doc(i, s) for _, (i, s) in sorted(indexes.items())]
+        report["consumers"] = lags
         _print_json(report)
         return
     out = _out()
@@ -359,6 +361,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
         out.print(_index_table(indexes))
     else:
         out.print("No indexes (add one with `bagstore index add`).")
+    for r in lags:
+        out.print(f"consumer {r['name']}: lag {r['lag_changes']} changes, {r['lag_seconds']} s")
     advice = wal_reset_advice() if report.get("sqlite") else None
     if advice is not None:  # one line on stderr, only for a store of SQLite files
         logging.getLogger("bagstore.cli").warning(advice)
@@ -573,7 +577,7 @@ def check(ctx: click.Context, as_json: bool) -> None:
 
 
 # The operational commands (clean, shard, key, seq, bench) and the demo register on `cli`.
-from bagstore import cli_demo, cli_index, cli_ops, cli_replication  # noqa: E402, F401
+from bagstore import cli_changes, cli_demo, cli_index, cli_ops, cli_replication  # noqa: E402, F401
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
+from functools import cached_property
 from typing import Any
 
 from bagstore import codec
@@ -21,6 +22,7 @@ from bagstore.cache import open_layer
 from bagstore.cache import request as _request
 from bagstore.cache.shared import CatalogCell
 from bagstore.catalog import Catalog, IndexCatalog, Placement, check_stamps
+from bagstore.changes import ChangePage, Feed
 from bagstore.errors import (
     ConfigurationError,
     InvalidEntity,
@@ -39,6 +41,7 @@ from bagstore.sharding.placer import Placer
 from bagstore.sharding.replicas import Replication
 from bagstore.sharding.router import Router
 from bagstore.sharding.topology import ShardOpener
+from bagstore.subscriber import Handler, Subscriber
 from bagstore.writes import Writes, check_id
 
 __all__ = ["DataStore", "Datastore", "open"]
@@ -327,6 +330,25 @@ class Datastore:
         if isinstance(ids, bytes):
             raise InvalidQuery("delete_many takes a list of ids, not one id")
         return self._writes.delete([check_id(i, InvalidQuery) for i in ids])
+
+    # -- change feed (bagstore.changes, bagstore.subscriber) ------------------------
+    @cached_property
+    def feed(self) -> Feed:
+        """This kind's change feed: ``enable()``, ``disable()``, ``consumers()``."""
+        return Feed(self.kind, self.router)
+
+    def changes(
+        self, since: str | None = None, limit: int = 1000, *, kind: str | None = None
+    ) -> ChangePage:
+        """Committed writes after the cursor ``since``, in order (docs/changes.md)."""
+        return self.feed.other(kind).changes(since, limit)
+
+    def subscribe(
+        self, name: str, handler: Handler, *, kind: str | None = None, batch: int = 100,
+        lease: float = 30.0,
+    ) -> Subscriber:  # fmt: skip
+        """A process of the named consumer ``name`` (:mod:`bagstore.subscriber`)."""
+        return Subscriber(self.feed.other(kind), name, handler, batch=batch, lease=lease)
 
     # -- reads (bagstore.reads) ----------------------------------------------------
     def get(self, entity_id: bytes, *, read_from: str | None = None) -> dict[str, Any] | None:

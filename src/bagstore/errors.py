@@ -6,6 +6,8 @@ Every error bagstore raises derives from :class:`BagstoreError`::
       ConfigurationError              bad URL or config file, shards that do not match the catalog
       InvalidEntity                   bad entity: not a dict, bad id, unencodable value, too big
       InvalidQuery                    unknown lookup, bad filter value, bad cursor
+        ChangesPruned                 a change feed position older than the changes kept
+          ChangesLost                 a change feed position from before a failover
       BagstoreIndexError
         IndexNotReady                 the index that would answer is still building (or retired)
         NoIndexForQuery               no declared index can answer; names the one that would
@@ -37,6 +39,8 @@ __all__ = [
     "BackendError",
     "BagstoreError",
     "BagstoreIndexError",
+    "ChangesLost",
+    "ChangesPruned",
     "ConfigurationError",
     "DuplicateValue",
     "IndexNotReady",
@@ -65,6 +69,17 @@ class InvalidEntity(BagstoreError, ValueError):
 
 class InvalidQuery(BagstoreError, ValueError):
     """A query that cannot be run as asked: unknown lookup, bad value, bad cursor."""
+
+
+class ChangesPruned(InvalidQuery):
+    """A change feed cursor or consumer is behind the changes kept: retention
+    deleted changes it had not read (reset the consumer, or read from the start)."""
+
+
+class ChangesLost(ChangesPruned):
+    """A change feed cursor or consumer position from before a failover that
+    may have lost committed writes (the feed's epoch moved on): changes it had
+    not read may be gone and their positions reused (reset the consumer)."""
 
 
 class BagstoreIndexError(BagstoreError):

@@ -49,9 +49,11 @@ from typing import TYPE_CHECKING
 from bagstore import testing
 from bagstore.backends import Backend
 from bagstore.backends.buckets import FROZEN, INCOMING, OWNED
+from bagstore.backends.changesql import clear_bucket_changes
 from bagstore.backends.indexsql import IndexRow
 from bagstore.backends.pool import long_statements
 from bagstore.catalog import IndexCatalog
+from bagstore.changes import prepare_feeds, sync_bucket_changes
 from bagstore.errors import ConfigurationError
 from bagstore.index import Index
 from bagstore.throttle import Throttle, check_pacing
@@ -199,6 +201,7 @@ class Mover:
             backend.ensure_kind(kind)
         for index in layout.indexes:
             backend.ensure_index_table(index.table, index.properties, index.unique)
+        prepare_feeds(self.ds.router.catalog_backend, backend)  # change feed triggers
 
     def _layout(self) -> _Layout:
         """The kinds and indexes whose rows a bucket holds, as the catalog says now
@@ -412,6 +415,10 @@ class Mover:
         for kind, entity_id, _ in got_ids - have_ids:
             if not any(k == kind and i == entity_id for k, i, _ in have_ids):
                 dst.forget_ids(kind, [entity_id])
+        # change feed rows and positions travel with their bucket (bagstore.changes)
+        sync_bucket_changes(
+            src, dst, b, max(step, 100), lambda n, t0: self._paced(dst, n, t0, paced)
+        )
 
     @long_statements()
     def _clear(self, b: int, backend: Backend, layout: _Layout | None = None) -> int:
@@ -445,6 +452,7 @@ class Mover:
         for kind, ids in by_kind.items():
             backend.forget_ids(kind, ids)
             deleted += len(ids)
+        deleted += clear_bucket_changes(backend, b)  # the change feed's rows
         return deleted
 
     # -- recovery --------------------------------------------------------------------

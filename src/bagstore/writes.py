@@ -156,7 +156,8 @@ class Writes:
             old_bodies.update(part)
         if moved:
             moved_stamps: dict[bytes, int] = {}
-            gone = self.delete_at(moved, read_old=bool(indexes), stamps=moved_stamps)
+            # (change feed) the put is the move's one change: no delete recorded
+            gone = self.delete_at(moved, read_old=bool(indexes), stamps=moved_stamps, record=False)
             for i, body in gone.items():
                 if body is not None and i not in old_bodies:
                     old_bodies[i] = body
@@ -229,10 +230,11 @@ class Writes:
         read_old: bool,
         versions: dict[bytes, int] | None = None,
         stamps: dict[bytes, int] | None = None,
+        record: bool = True,
     ) -> dict[bytes, bytes | None]:
         """Delete ``(id, bucket)`` entities (fenced); ``{id: old body}`` of those found
         (and their versions into ``versions``, their ``updated`` into ``stamps``,
-        if given)."""
+        if given); ``record=False``: no change in the change feed."""
 
         def work(backend: Backend, part: list[tuple[bytes, int]]) -> dict[bytes, bytes | None]:
             return backend.delete_entities(
@@ -242,6 +244,7 @@ class Writes:
                 read_old=read_old,
                 versions=versions,
                 stamps=stamps,
+                record=record,
             )
 
         found: dict[bytes, bytes | None] = {}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from bagstore.backends.buckets import BucketOps, ownership_error
+from bagstore.backends.changesql import ensure_change_tables, skip_sql
 from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
 from bagstore.errors import BackendError, BagstoreError, ConfigurationError, ShardUnavailable
 
@@ -531,6 +532,7 @@ class Backend(BucketOps, IndexOps):
         """Mark this database as shard ``shard_no`` of store ``store_id`` unless it
         is marked already; return the mark it holds."""
         self._executescript(self.dialect.create_stamp_sql())
+        ensure_change_tables(self)  # (change feed) every shard has its tables
         self.insert_ignore(
             "bagstore_shard", ("one", "store", "shard_no"), [(1, store_id, shard_no)]
         )
@@ -688,11 +690,14 @@ class Backend(BucketOps, IndexOps):
         read_old: bool,
         versions: dict[bytes, int] | None = None,
         stamps: dict[bytes, int] | None = None,
+        record: bool = True,
     ) -> dict[bytes, bytes | None]:
         """Delete ids (of ``buckets``, which this shard must own); return ``{id:
         old body}`` of those that existed (the body is ``None`` unless ``read_old``).
         ``versions`` (if given) is filled with the deleted rows' versions, and
-        ``stamps`` (if given) with their ``updated``."""
+        ``stamps`` (if given) with their ``updated``.  Without ``record``, the
+        deletes leave no change in the kind's change feed (an entity moved to
+        another bucket: its put is the change; see backends/changesql.py)."""
 
         def work(conn: Any) -> dict[bytes, bytes | None]:
             with self.transaction(conn) as cur:
@@ -706,7 +711,12 @@ class Backend(BucketOps, IndexOps):
                 present = list(found)
                 for start in range(0, len(present), 1000):
                     part = present[start : start + 1000]
+                    if not record:  # (change feed) marked unrecorded, see changesql
+                        cur.execute(skip_sql(self.dialect, len(part), insert=True),
+                                    [v for i in part for v in (kind, i)])  # fmt: skip
                     cur.execute(self.sql("delete_entities_sql", kind, len(part)), part)
+                    if not record:
+                        cur.execute(skip_sql(self.dialect, len(part), insert=False), [kind, *part])
                 return found
 
         if not ids:

@@ -1,0 +1,467 @@
+"""SQL of the change feed: change rows, per-bucket positions, and the triggers
+that write them in the same statement as the entity.
+
+Every shard holds
+
+``bagstore_changes``, one row per committed write of a kind whose feed is on:
+``(kind, bucket, pos)`` is the primary key; ``id``, ``op`` (0 put, 1 delete),
+``version`` (after a put, the row's new version; after a delete, the version
+deleted), ``updated`` (µs) and ``body`` (NULL unless the kind records bodies).
+
+``bagstore_change_pos``, one row per ``(kind, bucket)``: ``pos``, the last
+position handed out, and ``pruned``, the last position deleted by retention.
+
+Triggers on a kind's entities table (``AFTER INSERT``, ``AFTER UPDATE`` of the
+version, ``AFTER DELETE``) advance the bucket's position row and insert the
+change row.  They run inside the statement that writes the entity, so a
+committed write always has its change and a rolled-back one never.  The
+position row is locked (written) until the transaction ends, so writers of one
+bucket take positions in commit order, one after the other: a reader that has
+seen position ``p`` of a bucket has seen every position below it.
+
+Only writes to a bucket this shard ``OWNED`` record a change: a bucket move's
+copies (into an ``INCOMING`` bucket) and deletes (after the source let go of
+the bucket) do not; the move copies the change rows themselves.  A delete of an
+entity whose row is named in ``bagstore_change_skip`` (in the same transaction)
+records nothing: a put that moved an entity to another bucket deletes the old
+copy that way, and records only the put.
+
+Nothing here decides which shard to ask: that is :mod:`bagstore.changes`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from bagstore.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from bagstore.backends.base import Backend, Dialect
+
+__all__ = [
+    "CHANGES",
+    "DELETE",
+    "POSITIONS",
+    "PUT",
+    "SKIP",
+    "ChangeRow",
+    "bucket_change_rows",
+    "bucket_change_tops",
+    "bucket_positions",
+    "clear_bucket_changes",
+    "copy_change_rows",
+    "create_feed_catalog",
+    "ensure_change_tables",
+    "first_updated",
+    "has_triggers",
+    "positions",
+    "positions_together",
+    "prune",
+    "ranges_together",
+    "read_ranges",
+    "set_positions",
+    "set_triggers",
+    "skip_sql",
+]
+
+CHANGES = "bagstore_changes"
+POSITIONS = "bagstore_change_pos"
+SKIP = "bagstore_change_skip"
+PUT, DELETE = 0, 1
+_COLUMNS = "kind, bucket, pos, id, op, version, updated, body"
+
+
+class ChangeRow(NamedTuple):
+    """One row of ``bagstore_changes`` as read."""
+
+    kind: str
+    bucket: int
+    pos: int
+    id: bytes
+    op: int
+    version: int
+    updated: int
+    body: bytes | None
+
+
+def _literal(kind: str) -> str:
+    """A kind's name as an SQL string literal (a plain identifier, checked:
+    trigger bodies cannot take parameters)."""
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", kind) is None:
+        raise ConfigurationError(f"kind {kind!r} is not a plain identifier")
+    return f"'{kind}'"
+
+
+def _mysql(d: Dialect) -> bool:
+    return d.name == "mysql"
+
+
+def _suffix(d: Dialect) -> str:
+    return " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin" if _mysql(d) else ""
+
+
+def _no_rowid(d: Dialect) -> str:
+    return "" if _mysql(d) else " WITHOUT ROWID"
+
+
+def _body_type(d: Dialect) -> str:
+    return "MEDIUMBLOB" if _mysql(d) else "BLOB"
+
+
+def _tables_sql(d: Dialect) -> list[str]:
+    return [
+        f"CREATE TABLE IF NOT EXISTS {CHANGES} (kind VARCHAR(64) NOT NULL, "
+        "bucket INTEGER NOT NULL, pos BIGINT NOT NULL, "
+        f"id {d.id_type} NOT NULL, op INTEGER NOT NULL, version BIGINT NOT NULL, "
+        f"updated BIGINT NOT NULL, body {_body_type(d)} NULL, "
+        f"PRIMARY KEY (kind, bucket, pos)){_no_rowid(d)}{_suffix(d)}",
+        f"CREATE TABLE IF NOT EXISTS {POSITIONS} (kind VARCHAR(64) NOT NULL, "
+        "bucket INTEGER NOT NULL, pos BIGINT NOT NULL, pruned BIGINT NOT NULL, "
+        f"PRIMARY KEY (kind, bucket)){_no_rowid(d)}{_suffix(d)}",
+        f"CREATE TABLE IF NOT EXISTS {SKIP} (kind VARCHAR(64) NOT NULL, "
+        f"id {d.id_type} NOT NULL, PRIMARY KEY (kind, id)){_no_rowid(d)}{_suffix(d)}",
+    ]
+
+
+def create_feed_catalog(backend: Backend) -> None:
+    """The catalog's feed tables: each kind's feed settings, each named
+    consumer, its bucket ranges (positions and leases) and its live processes."""
+    d = backend.dialect
+    s = _suffix(d)
+    text = "MEDIUMTEXT" if _mysql(d) else "TEXT"
+    backend._executescript(
+        [
+            "CREATE TABLE IF NOT EXISTS bagstore_feeds (kind VARCHAR(64) NOT NULL PRIMARY KEY, "
+            "bodies INTEGER NOT NULL, max_age BIGINT NOT NULL, max_changes BIGINT NOT NULL)" + s,
+            "CREATE TABLE IF NOT EXISTS bagstore_consumers (name VARCHAR(64) NOT NULL "
+            "PRIMARY KEY, kind VARCHAR(64) NOT NULL, ranges INTEGER NOT NULL, "
+            "created BIGINT NOT NULL)" + s,
+            "CREATE TABLE IF NOT EXISTS bagstore_consumer_ranges (name VARCHAR(64) NOT NULL, "
+            f"range_no INTEGER NOT NULL, positions {text} NOT NULL, owner VARCHAR(64) NOT NULL, "
+            "lease_until BIGINT NOT NULL, checkpointed BIGINT NOT NULL, "
+            "PRIMARY KEY (name, range_no))" + s,
+            "CREATE TABLE IF NOT EXISTS bagstore_consumer_members (name VARCHAR(64) NOT NULL, "
+            "member VARCHAR(64) NOT NULL, seen BIGINT NOT NULL, PRIMARY KEY (name, member))" + s,
+        ]
+    )
+
+
+def ensure_change_tables(backend: Backend) -> None:
+    """The change tables on one shard (created when missing)."""
+    backend._executescript(_tables_sql(backend.dialect))
+
+
+def _trigger_names(kind: str) -> tuple[str, str, str]:
+    digest = hashlib.blake2b(kind.encode(), digest_size=8).hexdigest()
+    return (f"bagstore_chg_{digest}_i", f"bagstore_chg_{digest}_u", f"bagstore_chg_{digest}_d")
+
+
+def _record(d: Dialect, kind: str, row: str, op: int, body: str) -> str:
+    """The two statements that record one change of ``row`` (NEW or OLD)."""
+    k = _literal(kind)
+    if _mysql(d):
+        bump = (
+            f"INSERT INTO {POSITIONS} (kind, bucket, pos, pruned) VALUES ({k}, {row}.bucket, 1, 0) "
+            "ON DUPLICATE KEY UPDATE pos = pos + 1"
+        )
+        now = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)"
+    else:
+        bump = (
+            f"INSERT INTO {POSITIONS} (kind, bucket, pos, pruned) VALUES ({k}, {row}.bucket, 1, 0) "
+            "ON CONFLICT (kind, bucket) DO UPDATE SET pos = pos + 1"
+        )
+        now = "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)"
+    updated = f"{row}.updated" if op == PUT else now
+    insert = (
+        f"INSERT INTO {CHANGES} ({_COLUMNS}) SELECT {k}, {row}.bucket, pos, {row}.id, {op}, "
+        f"{row}.version, {updated}, {body} FROM {POSITIONS} "
+        f"WHERE kind = {k} AND bucket = {row}.bucket"
+    )
+    return f"{bump}; {insert};"
+
+
+def _triggers_sql(d: Dialect, kind: str, bodies: bool) -> list[str]:
+    t = d.q(kind)
+    ins, upd, dele = _trigger_names(kind)
+    k = _literal(kind)
+
+    def owned(row: str) -> str:
+        return f"(SELECT state FROM bagstore_owned WHERE bucket = {row}.bucket) = 0"
+
+    body = "NEW.body" if bodies else "NULL"
+    skip = f"NOT EXISTS (SELECT 1 FROM {SKIP} WHERE kind = {k} AND id = OLD.id)"
+    parts = [
+        (ins, "INSERT", owned("NEW"), _record(d, kind, "NEW", PUT, body)),
+        (upd, "UPDATE", f"NEW.version <> OLD.version AND {owned('NEW')}",
+         _record(d, kind, "NEW", PUT, body)),
+        (dele, "DELETE", f"{owned('OLD')} AND {skip}", _record(d, kind, "OLD", DELETE, "NULL")),
+    ]  # fmt: skip
+    if _mysql(d):
+        return [
+            f"CREATE OR REPLACE TRIGGER {name} AFTER {event} ON {t} FOR EACH ROW "
+            f"BEGIN IF {when} THEN {record} END IF; END"
+            for name, event, when, record in parts
+        ]
+    return [
+        f"CREATE TRIGGER {name} AFTER {event} ON {t} FOR EACH ROW WHEN {when} BEGIN {record} END"
+        for name, event, when, record in parts
+    ]
+
+
+def set_triggers(backend: Backend, kind: str, *, on: bool, bodies: bool = False) -> None:
+    """Create (``on``, with or without bodies) or drop the triggers that record
+    ``kind``'s changes on one shard: replaced in one step, so that no write
+    goes unrecorded while the body setting changes."""
+    d = backend.dialect
+    drops = [f"DROP TRIGGER IF EXISTS {name}" for name in _trigger_names(kind)]
+    if on:
+        ensure_change_tables(backend)
+        backend.ensure_kind(kind)
+    if _mysql(d):
+        statements = _triggers_sql(d, kind, bodies) if on else drops
+        backend._executescript(statements)
+        return
+    statements = drops + (_triggers_sql(d, kind, bodies) if on else [])
+
+    def work(conn: Any) -> None:
+        with backend.transaction(conn) as cur:  # SQLite's DDL is transactional
+            for sql in statements:
+                cur.execute(sql)
+
+    backend.run(work)
+
+
+def has_triggers(backend: Backend, kind: str) -> bool:
+    """Whether every trigger recording ``kind``'s changes is on this shard."""
+    names = list(_trigger_names(kind))
+    d = backend.dialect
+    if _mysql(d):
+        sql = (
+            "SELECT trigger_name FROM information_schema.triggers "
+            f"WHERE trigger_schema = DATABASE() AND trigger_name IN ({d.params(3)})"
+        )
+    else:
+        sql = f"SELECT name FROM sqlite_master WHERE type = 'trigger' AND name IN ({d.params(3)})"
+    return len(backend.fetchall(sql, names)) == 3
+
+
+def skip_sql(d: Dialect, n: int, *, insert: bool) -> str:
+    """Mark (``insert``) or unmark ``n`` ids of one kind whose delete records
+    nothing; parameters: the kind, then the ids."""
+    if insert:
+        values = ", ".join([f"({d.param}, {d.param})"] * n)
+        return f"INSERT INTO {SKIP} (kind, id) VALUES {values}"
+    return f"DELETE FROM {SKIP} WHERE kind = {d.param} AND id IN ({d.params(n)})"
+
+
+def positions(backend: Backend, kind: str) -> dict[int, tuple[int, int]]:
+    """``{bucket: (last position, last pruned)}`` of ``kind`` on this shard."""
+    d = backend.dialect
+    rows = backend.fetchall(
+        f"SELECT bucket, pos, pruned FROM {POSITIONS} WHERE kind = {d.param}", [kind]
+    )
+    return {int(b): (int(p), int(q)) for b, p, q in rows}
+
+
+def _row(r: Sequence[Any]) -> ChangeRow:
+    return ChangeRow(
+        str(r[0]),
+        int(r[1]),
+        int(r[2]),
+        bytes(r[3]),
+        int(r[4]),
+        int(r[5]),
+        int(r[6]),
+        None if r[7] is None else bytes(r[7]),
+    )
+
+
+#: Ranges per statement of :func:`read_ranges`.
+_RANGES_PER_STATEMENT = 200
+
+
+def read_ranges(
+    backend: Backend, kind: str, ranges: Sequence[tuple[int, int, int]]
+) -> list[tuple[Any, ...]]:
+    """The change rows of ``kind`` with ``lo <= pos <= hi`` in each ``(bucket,
+    lo, hi)``: a ``UNION ALL`` of primary-key ranges (faster than one ``OR``
+    of them, which SQLite reads with a temporary b-tree), one statement per
+    200 buckets; rows ``(bucket, pos, id, op, version, updated, body)`` as the
+    driver returns them, normally in the order of ``ranges`` and positions
+    (callers check)."""
+    d = backend.dialect
+    p = d.param
+    one = (
+        f"SELECT bucket, pos, id, op, version, updated, body FROM {CHANGES} "
+        f"WHERE kind = {p} AND bucket = {p} AND pos >= {p} AND pos <= {p}"
+    )
+    out: list[tuple[Any, ...]] = []
+    for start in range(0, len(ranges), _RANGES_PER_STATEMENT):
+        part = ranges[start : start + _RANGES_PER_STATEMENT]
+        params: list[Any] = []
+        for bucket, lo, hi in part:
+            params += [kind, bucket, lo, hi]
+        out += backend.fetchall(backend.sql("union_all_sql", (one,) * len(part)), params)
+    return out
+
+
+def _table(backend: Backend, table: str, qualified: bool) -> str:
+    return f"{backend.dialect.q(backend.schema)}.{table}" if qualified and backend.schema else table
+
+
+def positions_together(
+    kind: str, shards: Sequence[tuple[int, Backend]]
+) -> dict[int, dict[int, tuple[int, int]]]:
+    """:func:`positions` of several shards of one ``together`` key in one
+    statement (on the first's connection); ``{shard: {bucket: (pos, pruned)}}``."""
+    lead = shards[0][1]
+    p = lead.dialect.param
+    parts = [
+        f"SELECT {int(no)}, bucket, pos, pruned FROM {_table(b, POSITIONS, True)} WHERE kind = {p}"
+        for no, b in shards
+    ]
+    rows = lead.read_together(
+        lead.dialect.union_all_sql(parts), [kind] * len(shards), [b for _, b in shards]
+    )
+    out: dict[int, dict[int, tuple[int, int]]] = {no: {} for no, _ in shards}
+    for no, bucket, pos, pruned in rows:
+        out[int(no)][int(bucket)] = (int(pos), int(pruned))
+    return out
+
+
+def ranges_together(
+    kind: str, parts: Sequence[tuple[Backend, Sequence[tuple[int, int, int]]]]
+) -> list[tuple[Any, ...]]:
+    """:func:`read_ranges` of several shards of one ``together`` key, one
+    statement per 200 ranges (on the first's connection), in the order asked."""
+    lead = parts[0][0]
+    p = lead.dialect.param
+    asked = [(b, r) for b, ranges in parts for r in ranges]
+    out: list[tuple[Any, ...]] = []
+    for start in range(0, len(asked), _RANGES_PER_STATEMENT):
+        chunk = asked[start : start + _RANGES_PER_STATEMENT]
+        selects: list[str] = []
+        params: list[Any] = []
+        for backend, (bucket, lo, hi) in chunk:
+            selects.append(
+                "SELECT bucket, pos, id, op, version, updated, body FROM "
+                f"{_table(backend, CHANGES, True)} "
+                f"WHERE kind = {p} AND bucket = {p} AND pos >= {p} AND pos <= {p}"
+            )
+            params += [kind, bucket, lo, hi]
+        reach = list({id(b): b for b, _ in chunk}.values())
+        out += lead.read_together(lead.dialect.union_all_sql(selects), params, reach)
+    return out
+
+
+def first_updated(backend: Backend, kind: str, at: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """``{bucket: updated}`` of the change at each ``(bucket, pos)`` present."""
+    if not at:
+        return {}
+    rows = read_ranges(backend, kind, [(b, pos, pos) for b, pos in at])
+    return {int(r[0]): int(r[5]) for r in rows}
+
+
+# -- bucket moves ------------------------------------------------------------------
+def bucket_positions(backend: Backend, bucket: int) -> dict[str, tuple[int, int]]:
+    """``{kind: (pos, pruned)}`` of one bucket on this shard."""
+    d = backend.dialect
+    rows = backend.fetchall(
+        f"SELECT kind, pos, pruned FROM {POSITIONS} WHERE bucket = {d.param}", [bucket]
+    )
+    return {str(k): (int(p), int(q)) for k, p, q in rows}
+
+
+def bucket_change_tops(backend: Backend, bucket: int) -> dict[str, int]:
+    """``{kind: highest position held}`` of one bucket's change rows here."""
+    d = backend.dialect
+    rows = backend.fetchall(
+        f"SELECT kind, MAX(pos) FROM {CHANGES} WHERE bucket = {d.param} GROUP BY kind", [bucket]
+    )
+    return {str(k): int(p) for k, p in rows}
+
+
+def bucket_change_rows(
+    backend: Backend, kind: str, bucket: int, after: int, limit: int
+) -> list[ChangeRow]:
+    """The next ``limit`` change rows of a bucket after position ``after``."""
+    _d, p = backend.dialect, backend.dialect.param
+    sql = (
+        f"SELECT {_COLUMNS} FROM {CHANGES} WHERE kind = {p} AND bucket = {p} AND pos > {p} "
+        f"ORDER BY pos LIMIT {int(limit)}"
+    )
+    return [_row(r) for r in backend.fetchall(sql, [kind, bucket, after])]
+
+
+def copy_change_rows(backend: Backend, rows: Sequence[ChangeRow]) -> None:
+    """Insert change rows exactly as read elsewhere (rows present are kept)."""
+    if rows:
+        backend.insert_ignore(CHANGES, _COLUMNS.split(", "), [tuple(r) for r in rows])
+
+
+def set_positions(backend: Backend, bucket: int, tops: dict[str, tuple[int, int]]) -> None:
+    """Set a bucket's position rows (``{kind: (pos, pruned)}``)."""
+    for kind, (pos, pruned) in tops.items():
+        backend.upsert(POSITIONS, {"kind": kind, "bucket": bucket}, {"pos": pos, "pruned": pruned})
+
+
+def clear_bucket_changes(backend: Backend, bucket: int, step: int = 1000) -> int:
+    """Delete a bucket's change rows and position rows on this shard (the
+    rows in steps of ``step`` positions); the number of change rows deleted."""
+    p = backend.dialect.param
+    # positions first: a reader never takes this shard for the bucket's holder
+    # while its rows are going
+    backend.execute(f"DELETE FROM {POSITIONS} WHERE bucket = {p}", [bucket])
+    deleted = 0
+    spans = backend.fetchall(
+        f"SELECT kind, MIN(pos), MAX(pos) FROM {CHANGES} WHERE bucket = {p} GROUP BY kind",
+        [bucket],
+    )
+    for kind, low, high in spans:
+        for start in range(int(low), int(high) + 1, step):
+            deleted += backend.execute(
+                f"DELETE FROM {CHANGES} WHERE kind = {p} AND bucket = {p} "
+                f"AND pos >= {p} AND pos < {p}",
+                [kind, bucket, start, start + step],
+            )
+    return deleted
+
+
+# -- retention ----------------------------------------------------------------------
+def prune(
+    backend: Backend, kind: str, bucket: int, upto: int, older_than: int | None, batch: int
+) -> tuple[int, int]:
+    """Delete change rows of a bucket with ``pos <= upto`` (and, with
+    ``older_than``, only the prefix of them older than that many µs), ``batch``
+    rows per statement; record the last position deleted.  Returns ``(rows
+    deleted, new pruned position)``."""
+    _d, p = backend.dialect, backend.dialect.param
+    if older_than is not None:
+        rows = backend.fetchall(
+            f"SELECT MIN(pos) FROM {CHANGES} WHERE kind = {p} AND bucket = {p} "
+            f"AND pos <= {p} AND updated >= {p}",
+            [kind, bucket, upto, older_than],
+        )
+        if rows and rows[0][0] is not None:
+            upto = int(rows[0][0]) - 1
+    current = backend.fetchall(
+        f"SELECT pruned FROM {POSITIONS} WHERE kind = {p} AND bucket = {p}", [kind, bucket]
+    )
+    if not current or int(current[0][0]) >= upto:
+        return 0, int(current[0][0]) if current else 0
+    deleted = 0
+    low = int(current[0][0])
+    while low < upto:
+        high = min(upto, low + batch)
+        # Marked before the rows go: a reader that finds a row missing below
+        # the mark knows why (see bagstore.changes).
+        backend.update(POSITIONS, {"pruned": high}, {"kind": kind, "bucket": bucket})
+        deleted += backend.execute(
+            f"DELETE FROM {CHANGES} WHERE kind = {p} AND bucket = {p} AND pos > {p} AND pos <= {p}",
+            [kind, bucket, low, high],
+        )
+        low = high
+    return deleted, upto

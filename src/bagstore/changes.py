@@ -1,0 +1,565 @@
+"""The change feed: every committed write of a kind, in order, resumable.
+
+A kind's feed is off until switched on (:meth:`Feed.enable`); from then on
+every put, update and delete of the kind records a change in the same
+statement as the entity (triggers, see :mod:`bagstore.backends.changesql`).
+Each bucket numbers its changes 1, 2, 3... in commit order; a cursor holds
+the last position read of every bucket, so it survives bucket moves and never
+skips a change.  A page merges the buckets (of every shard) by time, each
+bucket's changes in their order.
+
+    >>> import bagstore, tempfile
+    >>> ds = bagstore.open(tempfile.mkdtemp())
+    >>> ds.feed.enable(bodies=True)
+    >>> entity_id = ds.put({"n": 1})
+    >>> ds.put({"id": entity_id, "n": 2}) == entity_id
+    True
+    >>> ds.delete(entity_id)
+    True
+    >>> page = ds.changes()
+    >>> [(c.op, c.version, c.entity and c.entity["n"]) for c in page]
+    [('put', 1, 1), ('put', 2, 2), ('delete', 2, None)]
+    >>> ds.changes(since=page.cursor)
+    []
+    >>> ds.close()
+
+Guarantees: docs/changes.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import hashlib
+import hmac
+import json
+import secrets
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from bagstore import codec
+from bagstore.backends import Backend, check_identifier
+from bagstore.backends import changesql as sql
+from bagstore.errors import ChangesLost, ChangesPruned, ConfigurationError, InvalidQuery
+
+if TYPE_CHECKING:
+    from bagstore.sharding.router import Router
+
+__all__ = ["Change", "ChangePage", "Feed", "FeedSettings"]
+
+#: Changes kept at least this long (seconds) unless every consumer has them.
+DEFAULT_MAX_AGE = 7 * 24 * 3600
+#: At most this many changes kept per bucket, whatever the consumers.
+DEFAULT_MAX_CHANGES = 1_000_000
+MAX_LIMIT = 10_000
+_CURSOR_PREFIX = "c1."
+
+
+class Change(NamedTuple):
+    """One committed write: ``op`` ``"put"`` or ``"delete"``; ``version`` the
+    entity's version after a put (a delete: the version it removed);
+    ``updated`` µs since the epoch (UTC); ``entity`` the body after a put when
+    the kind records bodies, else None."""
+
+    id: bytes
+    op: str
+    version: int
+    updated: int
+    entity: dict[str, Any] | None
+    kind: str
+    bucket: int
+    position: int
+
+
+class ChangePage(list[Change]):
+    """A page of changes; ``cursor`` reads the changes after it."""
+
+    def __init__(self, changes: Iterable[Change], cursor: str) -> None:
+        super().__init__(changes)
+        self.cursor = cursor
+
+
+@dataclass(frozen=True)
+class FeedSettings:
+    """A kind's feed: bodies recorded or not; retention (``max_age`` seconds,
+    ``max_changes`` per bucket)."""
+
+    bodies: bool
+    max_age: int
+    max_changes: int
+
+
+def encode_positions(positions: dict[int, int]) -> str:
+    """Positions as compact text: bucket deltas and positions, JSON, zlib, base64."""
+    flat: list[int] = []
+    last = 0
+    for b in sorted(positions):
+        if positions[b] > 0:
+            flat += [b - last, positions[b]]
+            last = b
+    raw = zlib.compress(json.dumps(flat, separators=(",", ":")).encode(), 9)
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_positions(text: str) -> dict[int, int]:
+    """The inverse of :func:`encode_positions` (ValueError if it is not one)."""
+    raw = zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+    flat = json.loads(raw)
+    if not isinstance(flat, list) or len(flat) % 2 or not all(type(v) is int for v in flat):
+        raise ValueError("not a list of positions")
+    out: dict[int, int] = {}
+    bucket = 0
+    for i in range(0, len(flat), 2):
+        if flat[i] < 0 or flat[i + 1] < 0:
+            raise ValueError("negative position")
+        bucket += flat[i]
+        out[bucket] = flat[i + 1]
+    return out
+
+
+class Feed:
+    """The change feed of one kind (``ds.feed``; ``ds.changes`` reads it)."""
+
+    def __init__(self, kind: str, router: Router) -> None:
+        self.kind = check_identifier(kind, "kind")
+        self.router = router
+        self.catalog = router.catalog_backend
+        sql.create_feed_catalog(self.catalog)
+        self._key: bytes | None = None
+        self._epoch: int | None = None
+        self._epoch_at = 0.0
+        #: bucket -> change rows read and not returned yet, in position order
+        self._ahead: dict[int, list[tuple[Any, ...]]] = {}
+        self._others: dict[str, Feed] = {}  # other kinds' feeds (see other())
+        #: the buckets asked and the positions read for the last page, if it
+        #: left changes known to be there
+        self._full_page: tuple[frozenset[int] | None, dict[int, tuple[int, int, int]]] | None = None
+
+    # -- settings ------------------------------------------------------------------
+    def settings(self) -> FeedSettings | None:
+        """The kind's feed settings, or None while it is off."""
+        rows = self.catalog.select_all(
+            "bagstore_feeds", ("bodies", "max_age", "max_changes"), {"kind": self.kind}
+        )
+        if not rows:
+            return None
+        return FeedSettings(bool(rows[0][0]), int(rows[0][1]), int(rows[0][2]))
+
+    def enable(
+        self,
+        *,
+        bodies: bool = False,
+        max_age: int = DEFAULT_MAX_AGE,
+        max_changes: int = DEFAULT_MAX_CHANGES,
+    ) -> None:
+        """Record every write of the kind from now on (``bodies``: with the new
+        body); keep changes ``max_age`` seconds unless every consumer has read
+        them, and at most ``max_changes`` per bucket."""
+        for name, value in (("max_age", max_age), ("max_changes", max_changes)):
+            if type(value) is not int or value < 1:
+                raise ConfigurationError(f"{name} must be a positive integer, not {value!r}")
+        if type(bodies) is not bool:
+            raise ConfigurationError(f"bodies must be True or False, not {bodies!r}")
+        self.catalog.upsert(
+            "bagstore_feeds",
+            {"kind": self.kind},
+            {"bodies": int(bodies), "max_age": max_age, "max_changes": max_changes},
+        )
+        self.router.on_all(lambda b: sql.set_triggers(b, self.kind, on=True, bodies=bodies))
+
+    def disable(self) -> None:
+        """Stop recording the kind's writes (the changes kept stay readable)."""
+        self.router.on_all(lambda b: sql.set_triggers(b, self.kind, on=False))
+        self.catalog.delete_where("bagstore_feeds", {"kind": self.kind})
+
+    def prepare(self, backend: Backend) -> None:
+        """A new shard records the kind's changes as the others do."""
+        settings = self.settings()
+        sql.ensure_change_tables(backend)
+        if settings is not None:
+            sql.set_triggers(backend, self.kind, on=True, bodies=settings.bodies)
+
+    # -- positions -----------------------------------------------------------------
+    def ends(self, buckets: Iterable[int] | None = None) -> dict[int, tuple[int, int]]:
+        """``{bucket: (last position, last pruned)}``; see :meth:`holders`."""
+        return {b: (top, pruned) for b, (top, pruned, _) in self.holders(buckets).items()}
+
+    def holders(self, buckets: Iterable[int] | None = None) -> dict[int, tuple[int, int, int]]:
+        """``{bucket: (last position, last pruned, shard)}``: of each bucket, the
+        shard holding its newest changes.  Every shard is asked: during and
+        just after a bucket move, two hold the bucket's changes (the newer
+        copy a superset of the older), and this process's placement may be
+        out of date; a tie goes to the shard the placement names."""
+        placement = self.router.refresh()
+        backends = self.router.backends
+        wanted = None if buckets is None else set(buckets)
+
+        def on(group: list[int]) -> dict[int, dict[int, tuple[int, int]]]:
+            if len(group) == 1:
+                return {group[0]: sql.positions(backends[group[0]], self.kind)}
+            return sql.positions_together(self.kind, [(s, backends[s]) for s in group])
+
+        found: dict[int, dict[int, tuple[int, int]]] = {}
+        for part in self.router.map(on, self._groups(list(range(len(backends))))):
+            found.update(part)
+        out: dict[int, tuple[int, int, int]] = {}
+        for shard in sorted(found):
+            for b, (top, pruned) in found[shard].items():
+                if b >= placement.buckets or (wanted is not None and b not in wanted):
+                    continue
+                best = out.get(b)
+                if (
+                    best is None
+                    or top > best[0]
+                    or (top == best[0] and placement.shard_of_bucket[b] == shard)
+                ):
+                    out[b] = (top, pruned, shard)
+        return out
+
+    def read(
+        self,
+        positions: dict[int, int],
+        limit: int,
+        buckets: Iterable[int] | None = None,
+        *,
+        who: str = "",
+        oldest: bool = False,
+    ) -> tuple[list[Change], dict[int, int]]:
+        """The next changes after ``positions`` (of ``buckets``, default all),
+        at most ``limit``, and the positions after them.  ``oldest``: a bucket
+        missing from ``positions`` starts at the oldest change kept."""
+        wanted = None if buckets is None else set(buckets)
+        key = None if wanted is None else frozenset(wanted)
+        # After a page that left changes known to be there, the positions read
+        # for it still show work (a reader catching up saves a round trip a
+        # page); otherwise, and after an empty page, they are read afresh.
+        known = self._full_page
+        self._full_page = None
+        ends = known[1] if known is not None and known[0] == key else self.holders(wanted)
+        active: dict[int, tuple[int, int]] = {}
+        for b, (top, pruned, _) in ends.items():
+            at = positions.get(b, pruned if oldest else 0)
+            if at < pruned:
+                self._pruned(b, at, pruned, who)
+            if top > at:
+                active[b] = (at, top)
+        if not active:
+            return [], dict(positions)
+        # rows read per bucket: twice an even share of the page (what is not
+        # returned is kept for the next page, see _ahead)
+        cap = min(limit, max(8, -(-2 * limit // len(active))))
+        by_shard: dict[int, list[tuple[int, int, int]]] = {}
+        truncated = set()
+        # Rows read ahead by an earlier page and not returned yet (change rows
+        # never change: any reader may use them).
+        cached: dict[int, list[tuple[Any, ...]]] = {}
+        for b, (at, top) in active.items():
+            hi = min(top, at + cap)
+            if hi < top:
+                truncated.add(b)
+            lo = at + 1
+            ahead = self._ahead.get(b)
+            if ahead and ahead[0][1] <= lo <= ahead[-1][1]:
+                have = ahead[lo - ahead[0][1] : hi - ahead[0][1] + 1]
+                cached[b] = have
+                lo += len(have)
+            if lo <= hi:
+                by_shard.setdefault(ends[b][2], []).append((b, lo, hi))
+        for asked in by_shard.values():
+            asked.sort()
+        backends = self.router.backends
+
+        def on(group: list[int]) -> list[tuple[Any, ...]]:
+            if len(group) == 1:
+                return sql.read_ranges(backends[group[0]], self.kind, by_shard[group[0]])
+            return sql.ranges_together(self.kind, [(backends[s], by_shard[s]) for s in group])
+
+        groups = self._groups(sorted(by_shard))
+        parts = self.router.map(on, groups)
+        # rows (bucket, pos, id, op, version, updated, body), per bucket by pos
+        streams: dict[int, list[tuple[Any, ...]]] = {}
+        for group, rows in zip(groups, parts, strict=True):
+            self._split([r for s in group for r in by_shard[s]], rows, streams)
+        for b, (at, _) in active.items():
+            rows = cached.get(b, []) + streams.get(b, []) if b in cached else streams.get(b, [])
+            streams[b] = rows
+            expected = min(active[b][1], at + cap) - at
+            if len(rows) == expected and (not rows or rows[-1][1] - rows[0][1] == expected - 1):
+                continue  # positions at+1 ... at+expected, none missing
+            gapless = 0
+            while gapless < len(rows) and rows[gapless][1] == at + 1 + gapless:
+                gapless += 1
+            # Rows up to the bucket's top are committed: missing ones were
+            # pruned, or their shard let go of the bucket (a move's end)
+            # while this page was read.  Only the gapless part is used.
+            pruned = self.ends([b]).get(b, (0, 0))[1]
+            if gapless == 0 and pruned > at:
+                self._pruned(b, at, pruned, who)
+            streams[b] = rows[:gapless]
+            truncated.add(b)
+        # Merge by time, each bucket's rows in their order: sorted by the
+        # running maximum of `updated` along each bucket (never decreasing
+        # within a bucket), then bucket and position.
+        keyed: list[tuple[int, int, int, tuple[Any, ...]]] = []
+        stop: tuple[int, int, int] | None = None
+        for b, rows in streams.items():
+            high = 0
+            for r in rows:
+                u = r[5]
+                if u > high:
+                    high = u
+                keyed.append((high, b, r[1], r))
+            if rows and b in truncated:
+                # its next change may be older than the others' next: stop
+                # after its last row
+                end = (high, b, rows[-1][1] + 1)
+                stop = end if stop is None or end < stop else stop
+        keyed.sort()
+        n = limit if stop is None else min(limit, bisect.bisect_left(keyed, stop))
+        kind, decode, put = self.kind, codec.decode, sql.PUT
+        out = [
+            Change(
+                r[2],
+                "put" if r[3] == put else "delete",
+                r[4],
+                r[5],
+                decode(r[6]) if r[6] is not None else None,
+                kind,
+                b,
+                pos,
+            )
+            for _, b, pos, r in keyed[:n]
+        ]
+        after = dict(positions)
+        for c in out:
+            after[c.bucket] = c.position
+        if out and any(ends[b][0] > after.get(b, 0) for b in active):
+            self._full_page = (key, ends)  # more is known to be there
+        for b, rows in streams.items():  # what this page read and did not return
+            last = after.get(b, active[b][0])
+            left = rows[last - rows[0][1] + 1 :] if rows else []
+            if left:
+                self._ahead[b] = left
+            else:
+                self._ahead.pop(b, None)
+        return out, after
+
+    def _groups(self, shards: list[int]) -> list[list[int]]:
+        """Shards grouped so that one statement reads each group (databases of
+        one server reached with one login, see ``Backend.together``)."""
+        backends = self.router.backends
+        keyed: dict[Any, list[int]] = {}
+        for s in shards:
+            b = backends[s]
+            key = b.together if b.union_reads and b.together is not None else ("alone", s)
+            keyed.setdefault(key, []).append(s)
+        out: list[list[int]] = []
+        for group in keyed.values():
+            size = backends[group[0]].max_together or len(group)
+            out += [group[n : n + size] for n in range(0, len(group), size)]
+        return out
+
+    @staticmethod
+    def _split(
+        asked: list[tuple[int, int, int]],
+        rows: list[tuple[Any, ...]],
+        streams: dict[int, list[tuple[Any, ...]]],
+    ) -> None:
+        """Rows of one shard's ranges (in bucket, position order) into
+        ``streams`` by bucket: sliced by the counts asked when every row is
+        there, else row by row."""
+        if len(rows) == sum(hi - lo + 1 for _, lo, hi in asked):
+            start = 0
+            for b, lo, hi in asked:
+                end = start + hi - lo + 1
+                part = rows[start:end]
+                if part[0][0] != b or part[0][1] != lo or part[-1][1] != hi:
+                    break
+                streams[b] = part
+                start = end
+            else:
+                return
+        for b, _, _ in asked:
+            streams.pop(b, None)
+        for r in rows:
+            streams.setdefault(r[0], []).append(r)
+
+    def _pruned(self, bucket: int, at: int, pruned: int, who: str) -> None:
+        whom = f"consumer {who!r}" if who else "this cursor"
+        fix = f"`bagstore consumers reset {who}`" if who else "read from the start (since=None)"
+        raise ChangesPruned(
+            f"{whom} of kind {self.kind!r} fell behind the changes kept: bucket {bucket} "
+            f"was read to position {at}, but changes up to {pruned} were deleted by "
+            f"retention (max_age / max_changes); {fix}"
+        )
+
+    # -- cursors -------------------------------------------------------------------
+    def key(self) -> bytes:
+        """The store's secret for signing cursors (made once, kept in the catalog)."""
+        if self._key is None:
+            self.catalog.insert_ignore(
+                "bagstore_meta", ("name", "value"), [("cursor_key", secrets.token_hex(16))]
+            )
+            rows = self.catalog.select_all("bagstore_meta", ("value",), {"name": "cursor_key"})
+            self._key = bytes.fromhex(str(rows[0][0]))
+        return self._key
+
+    def _mac(self, body: str) -> str:
+        store = self.router.placement.store_id
+        data = f"{store}|{self.kind}|{body}".encode()
+        return hmac.new(self.key(), data, hashlib.blake2b).hexdigest()[:24]
+
+    def epoch(self) -> int:
+        """The feed's epoch: 0 until a failover that may have lost committed
+        writes moves it on (:meth:`new_epoch`).  Read from the catalog at most
+        every ``refresh_interval`` seconds, as the placement is."""
+        now = time.monotonic()
+        if self._epoch is None or now - self._epoch_at >= self.router.refresh_interval:
+            rows = self.catalog.select_all("bagstore_meta", ("value",), {"name": "feed_epoch"})
+            self._epoch, self._epoch_at = (int(rows[0][0]) if rows else 0), now
+        return self._epoch
+
+    def new_epoch(self) -> int:
+        """Start a new epoch (every kind's feed), for a failover that may have
+        lost committed writes: every cursor and consumer position made before
+        is refused with :class:`bagstore.ChangesLost`, since the changes it had
+        not read may be gone and their positions given to later writes.
+        Returns the new epoch."""
+        self._epoch = None
+        epoch = self.epoch() + 1
+        self.catalog.upsert("bagstore_meta", {"name": "feed_epoch"}, {"value": str(epoch)})
+        self._epoch, self._epoch_at = epoch, time.monotonic()
+        return epoch
+
+    def check_epoch(self, epoch: int, what: str) -> None:
+        """Raise ChangesLost unless ``epoch`` (of a cursor or a consumer's
+        position, named by ``what``) is the feed's current one."""
+        now = self.epoch()
+        if epoch != now:
+            raise ChangesLost(
+                f"{what} of kind {self.kind!r} dates from before a failover (feed epoch "
+                f"{epoch}, now {now}): changes it had not read may be lost and their "
+                "positions reused; read from the start (since=None) or "
+                "ds.feed.end_cursor(), or reset the consumer (bagstore consumers reset NAME)"
+            )
+
+    def cursor(self, positions: dict[int, int]) -> str:
+        """An opaque, signed cursor holding ``positions`` (and the epoch)."""
+        body = f"{self.router.placement.version}.{self.epoch()}.{encode_positions(positions)}"
+        return f"{_CURSOR_PREFIX}{body}.{self._mac(body)}"
+
+    def positions_of(self, cursor: object) -> dict[int, int]:
+        """The positions a cursor of this store and kind holds (InvalidQuery if
+        it is not one)."""
+        if cursor is None:
+            return {}
+        if not isinstance(cursor, str) or not cursor.startswith(_CURSOR_PREFIX):
+            raise InvalidQuery(f"not a change feed cursor: {str(cursor)[:40]!r}")
+        body, _, mac = cursor[len(_CURSOR_PREFIX) :].rpartition(".")
+        if not hmac.compare_digest(mac, self._mac(body)):
+            raise InvalidQuery(
+                f"this cursor is not one of the change feed of kind {self.kind!r} of this "
+                "store (another store's or kind's, or altered)"
+            )
+        try:
+            _, epoch, text = body.split(".", 2)
+            positions = decode_positions(text)
+        except (ValueError, zlib.error):
+            raise InvalidQuery("a damaged change feed cursor") from None
+        self.check_epoch(int(epoch), "this cursor")
+        if any(b >= self.router.placement.buckets for b in positions):
+            raise InvalidQuery("a change feed cursor naming buckets this store lacks")
+        return positions
+
+    def changes(self, since: str | None = None, limit: int = 1000) -> ChangePage:
+        """The changes after the cursor ``since`` (from the oldest kept when
+        None), at most ``limit``; the page's ``cursor`` reads on."""
+        if type(limit) is not int or not 1 <= limit <= MAX_LIMIT:
+            raise InvalidQuery(f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit!r}")
+        positions = self.positions_of(since)
+        changes, after = self.read(positions, limit, oldest=since is None)
+        if not changes and self.settings() is None and not self.ends():
+            raise ConfigurationError(
+                f"the change feed of kind {self.kind!r} is off (ds.feed.enable(), or "
+                "`bagstore feed on`)"
+            )
+        return ChangePage(changes, self.cursor(after))
+
+    # -- other kinds, consumers (bagstore.subscriber) ------------------------------
+    def other(self, kind: str | None) -> Feed:
+        """The feed of ``kind`` (this one when None or the same); InvalidQuery
+        for a kind the store does not have."""
+        if kind is None or kind == self.kind:
+            return self
+        feed = self._others.get(kind) if isinstance(kind, str) else None
+        if feed is None:
+            if not isinstance(kind, str) or kind not in self.router.catalog.kinds():
+                raise InvalidQuery(f"no kind {kind!r} in this store")
+            feed = self._others[kind] = Feed(kind, self.router)
+        return feed
+
+    def consumers(self) -> list[dict[str, Any]]:
+        """Every consumer of the store (all kinds) and its lag: ``name``,
+        ``kind``, ``lag_changes``, ``lag_seconds``, ``processes``."""
+        from bagstore.subscriber import consumer_lags
+
+        return consumer_lags(self.other, self)
+
+    def drop_consumer(self, name: str) -> None:
+        """Forget a consumer: its positions and leases (InvalidQuery if unknown)."""
+        from bagstore.subscriber import drop_consumer
+
+        drop_consumer(self, name)
+
+    def reset_consumer(self, name: str, *, to: str = "start") -> None:
+        """Set a consumer back to the oldest change kept (``"start"``) or on to
+        after the newest (``"end"``)."""
+        from bagstore.subscriber import reset_consumer
+
+        reset_consumer(self.other, self, name, to=to)
+
+    def end_cursor(self) -> str:
+        """A cursor after every change committed so far (to follow from now)."""
+        return self.cursor({b: top for b, (top, _) in self.ends().items()})
+
+
+# -- bucket moves (bagstore.scaleout.Mover) ------------------------------------------
+def sync_bucket_changes(
+    src: Backend,
+    dst: Backend,
+    bucket: int,
+    step: int,
+    after_step: Callable[[int, float], None] | None = None,
+) -> int:
+    """Copy a bucket's change rows that ``dst`` lacks, ``step`` rows per
+    statement, then its position rows: change rows are never rewritten, so
+    those above ``dst``'s highest are all it lacks.  ``after_step(rows,
+    started)`` after each statement (the mover's pacing).  Returns rows copied."""
+    copied = 0
+    have = sql.bucket_change_tops(dst, bucket)
+    tops = sql.bucket_positions(src, bucket)
+    for kind, (top, _) in tops.items():
+        after = have.get(kind, 0)
+        while after < top:
+            started = time.monotonic()
+            rows = sql.bucket_change_rows(src, kind, bucket, after, step)
+            if not rows:
+                break
+            sql.copy_change_rows(dst, rows)
+            copied += len(rows)
+            after = rows[-1].pos
+            if after_step is not None:
+                after_step(len(rows), started)
+    sql.set_positions(dst, bucket, tops)
+    return copied
+
+
+def prepare_feeds(catalog: Backend, backend: Backend) -> None:
+    """A shard joining the store records the changes of every kind whose feed is on."""
+    sql.create_feed_catalog(catalog)
+    sql.ensure_change_tables(backend)
+    for kind, bodies in catalog.select_all("bagstore_feeds", ("kind", "bodies")):
+        sql.set_triggers(backend, str(kind), on=True, bodies=bool(bodies))

@@ -1,0 +1,355 @@
+"""Named consumers of a change feed: checkpointed, resumable, shared by processes.
+
+A consumer's buckets are split into ranges (16, or one per bucket when there
+are fewer).  Each range has a row in the catalog (``bagstore_consumer_ranges``)
+with the positions handled so far and a lease: the process holding the lease
+reads the range's next changes, calls the handler, then writes the new
+positions (only while it still holds the lease).  Processes of one consumer
+take an even share of the ranges each (live processes heartbeat in
+``bagstore_consumer_members``); a process that dies leaves its leases to
+expire, and another takes its ranges over from their last checkpoint.
+
+Delivery is at least once: a batch handled but not checkpointed (the process
+died, or the handler raised) is delivered again.  Two processes never handle
+one range at once as long as a handler returns within ``lease`` seconds (each
+batch renews the lease; a process whose lease lapsed skips its checkpoint).
+
+    >>> import bagstore, tempfile
+    >>> ds = bagstore.open(tempfile.mkdtemp())
+    >>> ds.feed.enable()
+    >>> _ = ds.put_many([{"n": i} for i in range(3)])
+    >>> seen = []
+    >>> consumer = ds.subscribe("example", lambda changes: seen.extend(changes))
+    >>> consumer.poll(), len(seen)
+    (3, 3)
+    >>> consumer.poll()
+    0
+    >>> consumer.close()
+    >>> ds.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bagstore.changes import Change, Feed, decode_positions, encode_positions
+from bagstore.errors import ConfigurationError, InvalidQuery
+
+__all__ = ["Subscriber", "consumer_lags", "drop_consumer", "reset_consumer"]
+
+log = logging.getLogger(__name__)
+
+RANGES = 16
+CONSUMERS, RANGE_ROWS, MEMBERS = (
+    "bagstore_consumers",
+    "bagstore_consumer_ranges",
+    "bagstore_consumer_members",
+)
+Handler = Callable[[list[Change]], Any]
+
+
+def _now() -> int:
+    return time.time_ns() // 1000
+
+
+def _stored(feed: Feed, positions: dict[int, int]) -> str:
+    """A range's positions as its row holds them: the feed's epoch, then them."""
+    return f"{feed.epoch()}:{encode_positions(positions)}"
+
+
+def _loaded(text: str) -> tuple[int, dict[int, int]]:
+    """``(epoch, positions)`` of a range's row."""
+    epoch, _, positions = text.rpartition(":")
+    return int(epoch or 0), decode_positions(positions) if positions else {}
+
+
+def _check_name(name: object) -> str:
+    if (
+        not isinstance(name, str)
+        or not 1 <= len(name) <= 64
+        or not all(c.isalnum() or c in "_-." for c in name)
+    ):
+        raise ConfigurationError(
+            f"a consumer name is 1 to 64 letters, digits, '_', '-' or '.', not {name!r}"
+        )
+    return name
+
+
+def range_buckets(buckets: int, ranges: int, no: int) -> range:
+    """The buckets of range ``no`` of ``ranges``."""
+    return range(no * buckets // ranges, (no + 1) * buckets // ranges)
+
+
+def _consumer(feed: Feed, name: str) -> tuple[str, int] | None:
+    rows = feed.catalog.select_all(CONSUMERS, ("kind", "ranges"), {"name": name})
+    return (str(rows[0][0]), int(rows[0][1])) if rows else None
+
+
+def _known(feed: Feed, name: str) -> tuple[str, int]:
+    found = _consumer(feed, _check_name(name))
+    if found is None:
+        known = [str(r[0]) for r in feed.catalog.select_all(CONSUMERS, ("name",))]
+        raise InvalidQuery(f"no consumer {name!r} (consumers: {sorted(known)})")
+    return found
+
+
+class Subscriber:
+    """A process of the named consumer ``name`` of ``feed``'s kind, calling
+    ``handler(changes)`` with batches of at most ``batch`` changes (one bucket
+    range's, in order)."""
+
+    def __init__(
+        self,
+        feed: Feed,
+        name: str,
+        handler: Handler,
+        *,
+        batch: int = 100,
+        lease: float = 30.0,
+    ) -> None:
+        if type(batch) is not int or not 1 <= batch <= 10_000:
+            raise ConfigurationError(f"batch must be an integer from 1 to 10000, not {batch!r}")
+        if not isinstance(lease, int | float) or isinstance(lease, bool) or lease <= 0:
+            raise ConfigurationError(f"lease must be a number of seconds > 0, not {lease!r}")
+        if not callable(handler):
+            raise ConfigurationError("handler must be callable (it receives a list of changes)")
+        self.feed = feed
+        self.name = _check_name(name)
+        self.handler = handler
+        self.batch = batch
+        self.lease_us = int(lease * 1_000_000)
+        self.member = secrets.token_hex(8)
+        self.catalog = feed.catalog
+        buckets = feed.router.placement.buckets
+        ranges = min(RANGES, buckets)
+        self.catalog.insert_ignore(
+            CONSUMERS, ("name", "kind", "ranges", "created"), [(name, feed.kind, ranges, _now())]
+        )
+        kind, self.ranges = _known(feed, name)
+        if kind != feed.kind:
+            raise ConfigurationError(f"consumer {name!r} follows kind {kind!r}, not {feed.kind!r}")
+        if not self.catalog.select_all(RANGE_ROWS, ("range_no",), {"name": name}):
+            # a new consumer starts at the oldest change kept
+            ends = feed.ends()
+            start = [
+                {b: ends[b][1] for b in range_buckets(buckets, self.ranges, r) if b in ends}
+                for r in range(self.ranges)
+            ]
+            self.catalog.insert_ignore(
+                RANGE_ROWS,
+                ("name", "range_no", "positions", "owner", "lease_until", "checkpointed"),
+                [(name, r, _stored(feed, start[r]), "", 0, 0) for r in range(self.ranges)],
+            )
+        self.buckets = buckets
+        #: range -> positions, of the ranges this process holds
+        self.held: dict[int, dict[int, int]] = {}
+        #: range -> the feed's epoch its positions were read in
+        self.epochs: dict[int, int] = {}
+
+    # -- leases --------------------------------------------------------------------
+    def _rows(self) -> list[tuple[int, str, str, int]]:
+        rows = self.catalog.select_all(
+            RANGE_ROWS, ("range_no", "positions", "owner", "lease_until"), {"name": self.name}
+        )
+        return [(int(r), str(p), str(o), int(u)) for r, p, o, u in rows]
+
+    def balance(self) -> None:
+        """Heartbeat; renew this process's leases; take or give ranges so that
+        each live process holds an even share."""
+        now = _now()
+        self.catalog.upsert(MEMBERS, {"name": self.name, "member": self.member}, {"seen": now})
+        seen = self.catalog.select_all(MEMBERS, ("member", "seen"), {"name": self.name})
+        live = sum(1 for _, s in seen if int(s) > now - self.lease_us)
+        share = -(-self.ranges // max(1, live))
+        rows = self._rows()
+        for no, _, owner, until in rows:
+            if no in self.held and (owner != self.member or until <= now):
+                del self.held[no]  # lapsed: another process may have it now
+        for no in list(self.held):
+            if not self._renew(no, now):
+                del self.held[no]
+        for no in sorted(self.held)[share:]:
+            self.catalog.update(
+                RANGE_ROWS,
+                {"owner": "", "lease_until": 0},
+                {"name": self.name, "range_no": no, "owner": self.member},
+            )
+            del self.held[no]
+        for no, _positions, owner, until in rows:
+            if len(self.held) >= share:
+                break
+            if no in self.held or (owner and until > now):
+                continue
+            taken = self.catalog.update(
+                RANGE_ROWS,
+                {"owner": self.member, "lease_until": now + self.lease_us},
+                {"name": self.name, "range_no": no, "owner": owner, "lease_until": until},
+            )
+            if taken:
+                fresh = [p for r, p, _, _ in self._rows() if r == no]
+                self.epochs[no], self.held[no] = _loaded(fresh[0] if fresh else "")
+
+    def _renew(self, no: int, now: int) -> bool:
+        return bool(
+            self.catalog.update(
+                RANGE_ROWS,
+                {"lease_until": now + self.lease_us},
+                {"name": self.name, "range_no": no, "owner": self.member},
+            )
+        )
+
+    # -- work ----------------------------------------------------------------------
+    def poll(self) -> int:
+        """One round: balance the leases, then one batch of each range held
+        (handled, then checkpointed).  Returns the changes handled.  A handler's
+        exception propagates; its batch's position is not advanced."""
+        self.balance()
+        handled = 0
+        for no in sorted(self.held):
+            positions = self.held[no]
+            self.feed.check_epoch(self.epochs[no], f"consumer {self.name!r}")
+            changes, after = self.feed.read(
+                positions,
+                self.batch,
+                range_buckets(self.buckets, self.ranges, no),
+                who=self.name,
+            )
+            if not changes:
+                continue
+            if not self._renew(no, _now()):
+                del self.held[no]
+                continue
+            self.handler(changes)
+            handled += len(changes)
+            kept = self.catalog.update(
+                RANGE_ROWS,
+                {
+                    "positions": _stored(self.feed, after),
+                    "checkpointed": _now(),
+                    "lease_until": _now() + self.lease_us,
+                },
+                {"name": self.name, "range_no": no, "owner": self.member},
+            )
+            if kept:
+                self.held[no] = after
+            else:  # the lease lapsed meanwhile: the batch will be delivered again
+                log.warning("consumer %s lost range %d before its checkpoint", self.name, no)
+                del self.held[no]
+        return handled
+
+    def run(
+        self,
+        stop: threading.Event | None = None,
+        *,
+        idle: float = 0.1,
+        retry_wait: float = 1.0,
+    ) -> None:
+        """Poll until ``stop`` is set, waiting ``idle`` seconds when there was
+        nothing to do; a handler that raises is logged and its batch retried
+        after ``retry_wait`` seconds."""
+        stop = stop or threading.Event()
+        try:
+            while not stop.is_set():
+                try:
+                    n = self.poll()
+                except Exception:
+                    log.exception("consumer %s: handler failed; retrying the batch", self.name)
+                    stop.wait(retry_wait)
+                    continue
+                if n == 0:
+                    stop.wait(idle)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Give back this process's leases (others take them at once)."""
+        for no in list(self.held):
+            self.catalog.update(
+                RANGE_ROWS,
+                {"owner": "", "lease_until": 0},
+                {"name": self.name, "range_no": no, "owner": self.member},
+            )
+        self.held.clear()
+        self.catalog.delete_where(MEMBERS, {"name": self.name, "member": self.member})
+
+
+# -- administration (bagstore consumers) ------------------------------------------------
+def consumer_positions(feed: Feed, name: str) -> dict[int, int]:
+    """Every bucket's position as the consumer's checkpoints hold it."""
+    out: dict[int, int] = {}
+    for (text,) in feed.catalog.select_all(RANGE_ROWS, ("positions",), {"name": name}):
+        out.update(_loaded(str(text))[1])
+    return out
+
+
+def consumer_lags(feeds: Callable[[str], Feed], catalog_feed: Feed) -> list[dict[str, Any]]:
+    """Each consumer: name, kind, changes not yet handled, the age in seconds
+    of the oldest of them (0 when none), live processes."""
+    out: list[dict[str, Any]] = []
+    now = _now()
+    for name, kind in catalog_feed.catalog.select_all(CONSUMERS, ("name", "kind")):
+        feed = feeds(str(kind))
+        positions = consumer_positions(feed, str(name))
+        ends = feed.ends()
+        behind = {
+            b: positions.get(b, 0) for b, (top, _) in ends.items() if top > positions.get(b, 0)
+        }
+        changes = sum(ends[b][0] - at for b, at in behind.items())
+        oldest = _oldest(feed, behind)
+        members = feed.catalog.select_all(MEMBERS, ("seen",), {"name": name})
+        out.append(
+            {
+                "name": str(name),
+                "kind": str(kind),
+                "lag_changes": changes,
+                "lag_seconds": round(max(0, now - oldest) / 1e6, 3) if oldest else 0.0,
+                "processes": sum(1 for (s,) in members if int(s) > now - 60_000_000),
+            }
+        )
+    return sorted(out, key=lambda d: d["name"])
+
+
+def _oldest(feed: Feed, behind: dict[int, int]) -> int | None:
+    """The ``updated`` of the oldest first unhandled change of ``behind``'s buckets."""
+    from bagstore.backends import changesql
+
+    placement = feed.router.placement
+    by_shard: dict[int, list[tuple[int, int]]] = {}
+    for b, at in behind.items():
+        by_shard.setdefault(placement.shard_of_bucket[b], []).append((b, at + 1))
+    backends = feed.router.backends
+    firsts: list[int] = []
+    for shard, where in by_shard.items():
+        firsts += changesql.first_updated(backends[shard], feed.kind, where).values()
+    return min(firsts) if firsts else None
+
+
+def drop_consumer(feed: Feed, name: str) -> None:
+    """Forget a consumer (its positions and leases)."""
+    _known(feed, name)
+    for table in (RANGE_ROWS, MEMBERS, CONSUMERS):
+        feed.catalog.delete_where(table, {"name": name})
+
+
+def reset_consumer(feeds: Callable[[str], Feed], catalog_feed: Feed, name: str, *, to: str) -> None:
+    """Move a consumer to the oldest change kept (``to="start"``) or after the
+    newest (``to="end"``); its leases are given up."""
+    kind, ranges = _known(catalog_feed, name)
+    if to not in ("start", "end"):
+        raise InvalidQuery(f"reset to 'start' or 'end', not {to!r}")
+    feed = feeds(kind)
+    ends = feed.ends()
+    buckets = feed.router.placement.buckets
+    for no in range(ranges):
+        mine = range_buckets(buckets, ranges, no)
+        positions = {b: (ends[b][0] if to == "end" else ends[b][1]) for b in mine if b in ends}
+        feed.catalog.update(
+            RANGE_ROWS,
+            {"positions": _stored(feed, positions), "owner": "", "lease_until": 0},
+            {"name": name, "range_no": no},
+        )
