@@ -140,8 +140,10 @@ def test_sigkill_the_primary_under_two_writers(group: ReplicationGroup) -> None:
     reader = bagstore.Datastore([root_url], read_from="replica", connect_timeout=1)
     stale_root = bagstore.Datastore([root_url])
     stale_app = bagstore.Datastore([app_url])
+    admin.feed.enable()
     known = [admin.put({"user_id": b"r", "n": n}) for n in range(10)]
     group.sync()
+    cursor = admin.changes().cursor  # the change feed's epoch before the failover
     procs = [servers.spawn_python(WRITER.format(url=root_url, k=k)) for k in range(2)]
     outputs: list[list[Any]] = [[], []]
     try:
@@ -157,6 +159,10 @@ def test_sigkill_the_primary_under_two_writers(group: ReplicationGroup) -> None:
             admin.failover(0, to=group.primary.addr)
         done = admin.failover(0, replication_user=REPL_USER, replication_password=REPL_PASSWORD)
         assert not done["planned"] and done["old_primary"] == group.primary.addr
+        # the old primary may have committed changes no replica received: a
+        # cursor from before is refused rather than silently skipping
+        with pytest.raises(bagstore.ChangesLost, match="before a failover"):
+            admin.changes(cursor)
         new_primary = next(s for s in group.replicas if s.addr == done["primary"])
         resumed: list[float] = []
         for k, p in enumerate(procs):

@@ -131,6 +131,7 @@ class Feed:
         self._key: bytes | None = None
         self._epoch: int | None = None
         self._epoch_at = 0.0
+        self._epoch_version = -1  # the placement version when the epoch was read
         #: bucket -> change rows read and not returned yet, in position order
         self._ahead: dict[int, list[tuple[Any, ...]]] = {}
         self._others: dict[str, Feed] = {}  # other kinds' feeds (see other())
@@ -417,9 +418,15 @@ class Feed:
         writes moves it on (:meth:`new_epoch`).  Read from the catalog at most
         every ``refresh_interval`` seconds, as the placement is."""
         now = time.monotonic()
-        if self._epoch is None or now - self._epoch_at >= self.router.refresh_interval:
+        version = self.router.placement.version  # a failover moves it on too
+        if (
+            self._epoch is None
+            or version != self._epoch_version
+            or now - self._epoch_at >= self.router.refresh_interval
+        ):
             rows = self.catalog.select_all("bagstore_meta", ("value",), {"name": "feed_epoch"})
             self._epoch, self._epoch_at = (int(rows[0][0]) if rows else 0), now
+            self._epoch_version = version
         return self._epoch
 
     def new_epoch(self) -> int:
@@ -428,9 +435,7 @@ class Feed:
         is refused with :class:`bagstore.ChangesLost`, since the changes it had
         not read may be gone and their positions given to later writes.
         Returns the new epoch."""
-        self._epoch = None
-        epoch = self.epoch() + 1
-        self.catalog.upsert("bagstore_meta", {"name": "feed_epoch"}, {"value": str(epoch)})
+        epoch = bump_epoch(self.catalog)
         self._epoch, self._epoch_at = epoch, time.monotonic()
         return epoch
 
@@ -563,3 +568,14 @@ def prepare_feeds(catalog: Backend, backend: Backend) -> None:
     sql.ensure_change_tables(backend)
     for kind, bodies in catalog.select_all("bagstore_feeds", ("kind", "bodies")):
         sql.set_triggers(backend, str(kind), on=True, bodies=bool(bodies))
+
+
+def bump_epoch(catalog: Backend) -> int:
+    """Move the feed's epoch (every kind's) on by one in the catalog's
+    ``bagstore_meta``; the new epoch.  An unplanned failover calls it
+    (:mod:`bagstore.sharding.failover`): the old primary may have committed
+    changes that a consumer read and no replica received."""
+    rows = catalog.select_all("bagstore_meta", ("value",), {"name": "feed_epoch"})
+    epoch = (int(rows[0][0]) if rows else 0) + 1
+    catalog.upsert("bagstore_meta", {"name": "feed_epoch"}, {"value": str(epoch)})
+    return epoch

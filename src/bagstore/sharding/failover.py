@@ -203,6 +203,14 @@ def _finish(
     """Route by the new role here, record it in the catalog; the report."""
     router.replication.guard_to(backend, new)
     _record(router, name, new)
+    if not planned:
+        # The old primary may have committed changes a consumer already read
+        # and no replica received: their positions will be handed out again.
+        from bagstore.changes import bump_epoch
+
+        feed_epoch = bump_epoch(router.catalog.backend)
+        log.warning("shard %s: change feed epoch %d (older cursors refused)", name, feed_epoch)
+    router.refresh(force=True)  # this process routes by the new epoch at once
     seconds = time.monotonic() - started
     log.warning("shard %s: primary is %s (epoch %d), %.2f s", name, new.primary, new.epoch, seconds)
     return {
