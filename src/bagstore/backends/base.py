@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, TypeVar
@@ -23,6 +23,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 from bagstore.backends.buckets import BucketOps, ownership_error
 from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
 from bagstore.errors import BackendError, BagstoreError, ConfigurationError, ShardUnavailable
+from bagstore.versions import next_version
 
 __all__ = [
     "ENTITY_COLUMNS",
@@ -129,11 +130,12 @@ class Dialect:
         """A secondary index created with its table (SQLite) or after it."""
         raise NotImplementedError
 
-    def locked_read_sql(self, kind: str, buckets: int, ids: int) -> str:
+    def locked_read_sql(self, kind: str, buckets: int, ids: int, bodies: bool = True) -> str:
         """For a write transaction, one statement: the ownership rows of
         ``buckets`` buckets, share-locked until the transaction ends, as
         ``(bucket, state, NULL, NULL, NULL, NULL)``; then the rows of ``ids``
-        ids, locked for update, as ``(NULL, NULL, id, body, version, updated)``."""
+        ids, locked for update, as ``(NULL, NULL, id, body, version, updated)``
+        (the body NULL unless ``bodies``)."""
         parts = []
         if buckets:
             parts.append(
@@ -142,7 +144,8 @@ class Dialect:
             )
         if ids:
             parts.append(
-                f"SELECT NULL, NULL, id, body, version, updated FROM {self.q(kind)} "
+                f"SELECT NULL, NULL, id, {'body' if bodies else 'NULL'}, version, updated "
+                f"FROM {self.q(kind)} "
                 f"WHERE id IN ({self.params(ids)})" + self.for_update
             )
         return self.union_all_sql(parts)
@@ -184,10 +187,6 @@ class Dialect:
             f"JOIN bagstore_owned o ON o.bucket = v.{bucket} AND o.state = 0"
         )
 
-    def fenced_upsert_sql(self, kind: str) -> str:
-        """Upsert one entity only if this shard owns its bucket (0 rows if not)."""
-        raise NotImplementedError
-
     def copy_entities_sql(self, kind: str, rows: int) -> str:
         """Upsert rows ``(id, bucket, updated, version, body)`` keeping their version."""
         raise NotImplementedError
@@ -197,7 +196,24 @@ class Dialect:
         raise NotImplementedError
 
     def upsert_entities_sql(self, kind: str, rows: int) -> str:
+        """Upsert rows ``(id, bucket, updated, body)``, counting ``version`` up
+        by one (a hand-written writer's statement: the benchmarks' raw side)."""
         raise NotImplementedError
+
+    def write_entities_sql(self, kind: str, rows: int) -> str:
+        """Upsert rows ``(id, bucket, updated, version, body)``; a row that
+        exists gets the larger of its version + 1 and the one given (bagstore's
+        writes: see :mod:`bagstore.versions`)."""
+        raise NotImplementedError
+
+    def version_type_sql(self) -> str | None:
+        """The type of a table's ``version`` column (the table named by the one
+        parameter), where older stores made it too narrow for
+        :mod:`bagstore.versions`; None where every integer column is wide."""
+        return None
+
+    def widen_version_sql(self, kind: str) -> list[str]:
+        return []
 
     def select_bodies_sql(
         self,
@@ -559,7 +575,22 @@ class Backend(BucketOps, IndexOps):
                 self._check_entities_table(kind)
                 self._executescript(self.dialect.create_entities_sql(kind))
                 self._check_entities_table(kind)
+                self._widen_version(kind)
                 self._ready_kinds.add(kind)
+
+    def _widen_version(self, kind: str) -> None:
+        """Give a table made by an older bagstore a ``version`` column wide
+        enough for :mod:`bagstore.versions` (MySQL: INT to BIGINT, which
+        rebuilds the table once)."""
+        sql = self.dialect.version_type_sql()
+        if sql is None:
+            return
+        rows = self.fetchall(sql, [kind])
+        found = rows[0][0] if rows else None
+        found = found.decode() if isinstance(found, bytes) else found
+        if found is not None and str(found).lower() != "bigint":
+            log.warning("shard %s: widening %s.version to BIGINT (once)", self.name, kind)
+            self._executescript(self.dialect.widen_version_sql(kind))
 
     def _check_entities_table(self, kind: str) -> None:
         columns = self.table_columns(kind)
@@ -614,59 +645,55 @@ class Backend(BucketOps, IndexOps):
         stamps: dict[bytes, int] | None = None,
     ) -> dict[bytes, bytes]:
         """Upsert rows in one transaction; with ``read_old`` return the bodies
-        they replaced (read in the same transaction, rows locked).  With
-        ``read_old``, ``versions`` (if given) is filled with each row's new
-        version (the one read + 1, or 1), for the cache's markers, and
-        ``stamps`` (if given) with the ``updated`` of each row replaced."""
+        they replaced (read in the same transaction, rows locked).
+        ``versions`` (if given) is filled with each row's new version
+        (:func:`bagstore.versions.next_version` of the one read under the
+        row's lock), and ``stamps`` (if given) with the ``updated`` of each
+        row replaced."""
 
         def work(conn: Any) -> dict[bytes, bytes]:
-            if not read_old and len(rows) == 1:
-                # One statement that checks ownership and upserts: no BEGIN/COMMIT.
-                r = rows[0]
-                cur = conn.cursor()
-                try:
-                    cur.execute(
-                        self.sql("fenced_upsert_sql", kind),
-                        [r.id, r.bucket, r.updated, r.body, r.bucket],
-                    )
-                    written = cur.rowcount
-                finally:
-                    cur.close()
-                if written == 0:
-                    self.check_owned([r.bucket])
-                return {}
             old: dict[bytes, bytes] = {}
+            found: dict[bytes, int] = {}
             with self.transaction(conn) as cur:
-                ids = [r.id for r in rows] if read_old else []
-                for found in self._locked_read(cur, kind, [r.bucket for r in rows], ids):
-                    old[found[0]] = found[1]
-                    if versions is not None:
-                        versions[found[0]] = found[2] + 1
+                ids = [r.id for r in rows]
+                for r in self._locked_read(cur, kind, [r.bucket for r in rows], ids, read_old):
+                    found[r[0]] = r[2]
+                    if read_old:
+                        old[r[0]] = r[1]
                     if stamps is not None:
-                        stamps[found[0]] = found[3]
-                if read_old and versions is not None:
-                    for r in rows:
-                        versions.setdefault(r.id, 1)
+                        stamps[r[0]] = r[3]
+                # The clock is read with the rows locked (bagstore.versions).
+                new = {r.id: next_version(found.get(r.id)) for r in rows}
                 for chunk in self._chunks(rows):
-                    cur.execute(self.sql("upsert_entities_sql", kind, len(chunk)), _flatten(chunk))
+                    cur.execute(
+                        self.sql("write_entities_sql", kind, len(chunk)), _flatten(chunk, new)
+                    )
+            if versions is not None:
+                versions.update(new)
             return old
 
         return self.run(work)
 
     def _locked_read(
-        self, cur: Any, kind: str, buckets: Sequence[int], ids: Sequence[bytes]
+        self,
+        cur: Any,
+        kind: str,
+        buckets: Sequence[int],
+        ids: Sequence[bytes],
+        bodies: bool = True,
     ) -> list[tuple[Any, ...]]:
         """Inside a write transaction: lock the buckets' ownership rows (shared)
         and raise unless this shard owns them all; lock the rows of ``ids`` and
-        return them as ``(id, body, version, updated)``.  One statement for up to
-        1,000 buckets and 1,000 ids."""
+        return them as ``(id, body, version, updated)`` (the body None unless
+        ``bodies``).  One statement for up to 1,000 buckets and 1,000 ids."""
         wanted = sorted(set(buckets))
         states: dict[int, int] = {}
         found: list[tuple[Any, ...]] = []
         for start in range(0, max(len(wanted), len(ids)), 1000):
             some = wanted[start : start + 1000]
             part = ids[start : start + 1000]
-            cur.execute(self.sql("locked_read_sql", kind, len(some), len(part)), [*some, *part])
+            sql = self.sql("locked_read_sql", kind, len(some), len(part), bodies)
+            cur.execute(sql, [*some, *part])
             # int(): a UNION of NULL and an integer column may come back as
             # DECIMAL (MariaDB does so for INT UNSIGNED).
             for r in cur.fetchall():
@@ -818,10 +845,10 @@ def _fetchone(conn: Any, sql: str, params: Sequence[Any]) -> Any:
         cur.close()
 
 
-def _flatten(rows: Sequence[EntityRow]) -> list[Any]:
+def _flatten(rows: Sequence[EntityRow], versions: Mapping[bytes, int]) -> list[Any]:
     out: list[Any] = []
     for r in rows:
-        out += (r.id, r.bucket, r.updated, r.body)
+        out += (r.id, r.bucket, r.updated, versions[r.id], r.body)
     return out
 
 

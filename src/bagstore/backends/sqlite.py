@@ -178,20 +178,21 @@ class SQLiteDialect(Dialect):
         verb = "INSERT OR IGNORE" if ignore else "INSERT"
         return f"{verb} INTO {self.q(table)} ({cols}) {self._fenced_select(columns, rows)}"
 
-    def fenced_upsert_sql(self, kind: str) -> str:
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) "
-            "SELECT ?, ?, ?, 1, ? FROM bagstore_owned WHERE bucket = ? AND state = 0 "
-            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
-            "updated = excluded.updated, version = version + 1, body = excluded.body"
-        )
-
     def copy_entities_sql(self, kind: str, rows: int) -> str:
         values = ", ".join(["(?, ?, ?, ?, ?)"] * rows)
         return (
             f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
             "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
             "updated = excluded.updated, version = excluded.version, body = excluded.body"
+        )
+
+    def write_entities_sql(self, kind: str, rows: int) -> str:
+        values = ", ".join(["(?, ?, ?, ?, ?)"] * rows)
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
+            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
+            "updated = excluded.updated, version = MAX(version + 1, excluded.version), "
+            "body = excluded.body"
         )
 
     def upsert_entities_sql(self, kind: str, rows: int) -> str:
