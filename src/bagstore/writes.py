@@ -22,14 +22,20 @@ A put, in order (docs/consistency.md tells why each step comes where it does):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec, testing
 from bagstore.backends import EntityRow, Stored
-from bagstore.errors import BackendError, BagstoreError, InvalidEntity, ShardTimeout
+from bagstore.errors import (
+    BackendError,
+    BagstoreError,
+    Conflict,
+    InvalidEntity,
+    ShardTimeout,
+)
 from bagstore.ids import new_id
 from bagstore.indexer import Change, Claim, Indexer
 
@@ -40,7 +46,7 @@ if TYPE_CHECKING:
     from bagstore.sharding.placer import Placer
     from bagstore.sharding.router import Router
 
-__all__ = ["Writes", "check_id"]
+__all__ = ["Writes", "check_id", "conflict"]
 
 
 def check_id(entity_id: object, error: type[BagstoreError]) -> bytes:
@@ -100,7 +106,12 @@ class Writes:
         row = EntityRow(entity_id, bucket, time.time_ns() // 1000, body)
         return row, fresh
 
-    def put(self, entities: list[dict[str, Any]]) -> list[bytes]:
+    def put(
+        self, entities: list[dict[str, Any]], expect: Mapping[bytes, int] | None = None
+    ) -> list[bytes]:
+        """Store entities; with ``expect`` (``{id: version}``, checked by the
+        caller: see :mod:`bagstore.conditional`) only on the shards where every
+        entity has the version expected, raising ``Conflict`` for the rest."""
         prepared = [self.row(e) for e in entities]
         indexes = self.registry().maintained()
         last: dict[bytes, tuple[EntityRow, dict[str, Any]]] = {}
@@ -122,26 +133,53 @@ class Writes:
         # Kinds placed by a shard key: record id -> bucket first; an entity whose
         # key moved it to another bucket is deleted from the old one afterwards.
         prior = self.placer.locate(last) if self.placer.keyed else {}
-        moved = [(i, b) for i, b in prior.items() if b != last[i][0].bucket]
-        self.placer.record(
-            {i: row.bucket for i, (row, _) in last.items() if prior.get(i) != row.bucket}
-        )
-        self.cache.before_write(list(last))
+        # (A move between buckets of one shard rewrites the same row in place.)
+        shard_of = self.router.topology.shard_of_bucket
+        moved = [
+            (i, b)
+            for i, b in prior.items()
+            if b != last[i][0].bucket and shard_of[b] != shard_of[last[i][0].bucket]
+        ]
+        recorded = {i: row.bucket for i, (row, _) in last.items() if prior.get(i) != row.bucket}
+        self.placer.record(recorded)
+        # A conditional put that moves an entity checks its old copy's version.
+        carried = self.versions_at([m for m in moved if m[0] in expect]) if expect else {}
+        if expect is None:
+            self.cache.before_write(list(last))
         testing.hit("put.before_entity")
         # Stamped after the claims: a claim newer than its owner's `updated`
         # marks a write still in flight (see Indexer._claim).
         now = time.time_ns() // 1000
         rows = [replace(row, updated=now) for row, _ in last.values()]
         stamps: dict[bytes, int] = {}  # the `updated` of the rows replaced
+        refused: dict[bytes, int] = {}  # conditional: {id: version found}
+        unwritten: set[bytes] = set()  # conditional: the refused shards' ids
+
+        def write(backend: Backend, part: list[EntityRow]) -> dict[bytes, bytes]:
+            if expect is None:
+                return backend.put_entities(
+                    self.kind, part, read_old=bool(indexes), versions=versions, stamps=stamps
+                )
+            ids = [r.id for r in part]
+            old = backend.put_entities(
+                self.kind,
+                part,
+                read_old=bool(indexes),
+                versions=versions,
+                stamps=stamps,
+                expect={i: expect[i] for i in ids if i in expect},
+                carried={i: carried[i] for i in ids if i in carried},
+                refused=refused,
+                # the cache's lease only once the conditions held (before the commit)
+                within=lambda cur, old: self.cache.before_write(ids),
+            )
+            if any(i in refused for i in ids):
+                unwritten.update(ids)
+            return old
+
         try:
             versions: dict[bytes, int] = {}  # new versions, for the cache's markers
-            olds = self.router.by_bucket(
-                rows,
-                lambda r: r.bucket,
-                lambda b, part: b.put_entities(
-                    self.kind, part, read_old=bool(indexes), versions=versions, stamps=stamps
-                ),
-            )
+            olds = self.router.by_bucket(rows, lambda r: r.bucket, write)
         except Exception as exc:
             # Some shards may have committed: give back only the claims whose
             # entity does not hold the value now.  Not after a timeout (reading
@@ -151,6 +189,10 @@ class Writes:
                 with suppress(BackendError):
                     self.indexer.release_unheld(claimed)
             raise
+        if unwritten:
+            claimed = self._undo(unwritten, claimed, recorded, prior)
+            rows = [r for r in rows if r.id not in unwritten]
+            moved = [m for m in moved if m[0] not in unwritten]
         old_bodies: dict[bytes, bytes] = {}
         for part in olds:
             old_bodies.update(part)
@@ -172,6 +214,8 @@ class Writes:
             made = {c.row: c.at for c in claimed}
             changes: list[Change] = []
             for entity_id in last:
+                if entity_id in unwritten:
+                    continue
                 body = old_bodies.get(entity_id)
                 old = codec.decode(body) if body is not None else None
                 changes += Indexer.diff(
@@ -187,21 +231,64 @@ class Writes:
             self.indexer.apply(changes, failpoint="put.after_index_delete")
             self.cache.rows_written(changes, claimed, self.registry())
         for entity, (row, fresh) in zip(entities, prepared, strict=True):
-            if fresh:
+            if fresh and row.id not in unwritten:
                 entity["id"] = row.id
+        if unwritten:
+            raise conflict(refused, [r.id for r in rows], "put")
         return [row.id for row, _ in prepared]
 
-    def delete(self, ids: list[bytes]) -> int:
+    def _undo(
+        self,
+        unwritten: set[bytes],
+        claimed: list[Claim],
+        recorded: Mapping[bytes, int],
+        prior: Mapping[bytes, int],
+    ) -> list[Claim]:
+        """After a conditional put refused on some shards: give back the unique
+        values its unwritten entities claimed and their lookup rows; return
+        the claims of the entities written."""
+        self.indexer.release([c for c in claimed if c.row.entity_id in unwritten])
+        back = {i: prior[i] for i in recorded if i in unwritten and i in prior}
+        self.placer.record(back)
+        self.placer.forget([i for i in recorded if i in unwritten and i not in prior])
+        return [c for c in claimed if c.row.entity_id not in unwritten]
+
+    def versions_at(self, located: list[tuple[bytes, int]]) -> dict[bytes, int]:
+        """``{id: version}`` of ``(id, bucket)`` entities found there, read with
+        their rows locked (a write still committing is waited for)."""
+
+        def work(backend: Backend, part: list[tuple[bytes, int]]) -> dict[bytes, Stored]:
+            return backend.read_locked(self.kind, [i for i, _ in part], [b for _, b in part])
+
+        out: dict[bytes, int] = {}
+        for found in self.router.by_bucket(located, lambda item: item[1], work):
+            out.update({i: s.version for i, s in found.items()})
+        return out
+
+    def delete(self, ids: list[bytes], expect: Mapping[bytes, int] | None = None) -> int:
+        """Delete entities; with ``expect`` (``{id: version}``) only on the
+        shards where every one has the version expected (``Conflict``)."""
         indexes = self.registry().maintained()
         where = {i: b for b, part in self.placer.group(ids).items() for i in part}
         versions: dict[bytes, int] = {}
         stamps: dict[bytes, int] = {}  # the deleted rows' `updated` (see put)
-        self.cache.before_write(list(where))
+        refused: dict[bytes, int] = {}
+        unwritten: set[bytes] = set()
+        if expect is None:
+            self.cache.before_write(list(where))
+        else:  # an id found nowhere has no version
+            refused.update({i: 0 for i, v in expect.items() if i not in where and v != 0})
         now = time.time_ns() // 1000  # this delete's stamp (see put's unique rows)
         found = self.delete_at(
-            list(where.items()), read_old=bool(indexes), versions=versions, stamps=stamps
+            list(where.items()),
+            read_old=bool(indexes),
+            versions=versions,
+            stamps=stamps,
+            expect=expect,
+            refused=refused,
+            unwritten=unwritten,
         )
-        self.placer.forget(list(where))
+        self.placer.forget([i for i in where if i not in unwritten])
         if found:
             testing.hit("delete.after_entity")
         self.cache.deletes_committed(versions)
@@ -220,6 +307,8 @@ class Writes:
                 )
             self.indexer.apply(changes)
             self.cache.rows_written(changes, (), self.registry())
+        if refused:
+            raise conflict(refused, list(found), "delete")
         return len(found)
 
     def delete_at(
@@ -229,22 +318,59 @@ class Writes:
         read_old: bool,
         versions: dict[bytes, int] | None = None,
         stamps: dict[bytes, int] | None = None,
+        expect: Mapping[bytes, int] | None = None,
+        refused: dict[bytes, int] | None = None,
+        unwritten: set[bytes] | None = None,
     ) -> dict[bytes, bytes | None]:
         """Delete ``(id, bucket)`` entities (fenced); ``{id: old body}`` of those found
         (and their versions into ``versions``, their ``updated`` into ``stamps``,
-        if given)."""
+        if given).  With ``expect``: a shard where an id has another version
+        deletes nothing (``refused`` gets ``{id: found}``, ``unwritten`` the
+        shard's ids), and the cache's lease is taken only where the
+        conditions held."""
 
         def work(backend: Backend, part: list[tuple[bytes, int]]) -> dict[bytes, bytes | None]:
-            return backend.delete_entities(
+            ids = [i for i, _ in part]
+            if expect is None:
+                return backend.delete_entities(
+                    self.kind,
+                    ids,
+                    [b for _, b in part],
+                    read_old=read_old,
+                    versions=versions,
+                    stamps=stamps,
+                )
+            assert refused is not None and unwritten is not None
+            found = backend.delete_entities(
                 self.kind,
-                [i for i, _ in part],
+                ids,
                 [b for _, b in part],
                 read_old=read_old,
                 versions=versions,
                 stamps=stamps,
+                expect={i: expect[i] for i in ids if i in expect},
+                refused=refused,
+                within=lambda cur, old: self.cache.before_write(ids),
             )
+            if any(i in refused for i in ids):
+                unwritten.update(ids)
+            return found
 
         found: dict[bytes, bytes | None] = {}
         for part in self.router.by_bucket(located, lambda item: item[1], work):
             found.update(part)
         return found
+
+
+def conflict(refused: Mapping[bytes, int], written: list[bytes], what: str) -> Conflict:
+    """The ``Conflict`` of a conditional write refused for ``refused``."""
+    first = min(refused)
+    more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+    return Conflict(
+        f"conditional {what} refused: entity {first.hex()} is at version {refused[first]}"
+        f"{' (absent)' if refused[first] == 0 else ''}{more}; {len(written)} written",
+        id=first,
+        found=refused[first],
+        refused=dict(refused),
+        written=written,
+    )

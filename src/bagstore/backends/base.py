@@ -33,6 +33,7 @@ __all__ = [
     "Dialect",
     "EntityRow",
     "Stored",
+    "Within",
     "check_identifier",
     "read_bodies_together",
     "translate_errors",
@@ -44,6 +45,10 @@ IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 ENTITY_COLUMNS = frozenset({"added_id", "id", "bucket", "updated", "version", "body"})
 
 T = TypeVar("T")
+
+#: ``within(cursor, {id: old body or None})``: work run inside an entity
+#: write's transaction (see :meth:`Backend.put_entities`).
+Within = Callable[[Any, "dict[bytes, bytes | None]"], None]
 
 log = logging.getLogger(__name__)
 
@@ -643,13 +648,26 @@ class Backend(BucketOps, IndexOps):
         read_old: bool,
         versions: dict[bytes, int] | None = None,
         stamps: dict[bytes, int] | None = None,
+        expect: Mapping[bytes, int] | None = None,
+        carried: Mapping[bytes, int] | None = None,
+        refused: dict[bytes, int] | None = None,
+        within: Within | None = None,
     ) -> dict[bytes, bytes]:
         """Upsert rows in one transaction; with ``read_old`` return the bodies
         they replaced (read in the same transaction, rows locked).
         ``versions`` (if given) is filled with each row's new version
         (:func:`bagstore.versions.next_version` of the one read under the
         row's lock), and ``stamps`` (if given) with the ``updated`` of each
-        row replaced."""
+        row replaced.
+
+        Conditional writes: ``expect`` maps ids to the version each must have
+        (0: no row); ``carried`` the version of an entity's copy in another
+        bucket (a put that moves it there), taken as found when this shard has
+        no row of the id.  If any row's condition fails, nothing is written:
+        ``refused`` (required with ``expect``) gets ``{id: version found}`` of
+        the rows that failed and ``{}`` is returned.  ``within(cursor, old)``,
+        if given, runs in the transaction after the upsert (``old``: ``{id:
+        replaced body or None}``, the bodies only with ``read_old``)."""
 
         def work(conn: Any) -> dict[bytes, bytes]:
             old: dict[bytes, bytes] = {}
@@ -662,12 +680,22 @@ class Backend(BucketOps, IndexOps):
                         old[r[0]] = r[1]
                     if stamps is not None:
                         stamps[r[0]] = r[3]
+                if carried:
+                    found = {**{i: v for i, v in carried.items() if i in ids}, **found}
+                if expect:
+                    failed = {i: found.get(i, 0) for i, v in expect.items() if found.get(i, 0) != v}
+                    if failed:
+                        assert refused is not None, "expect needs refused"
+                        refused.update(failed)
+                        return {}
                 # The clock is read with the rows locked (bagstore.versions).
                 new = {r.id: next_version(found.get(r.id)) for r in rows}
                 for chunk in self._chunks(rows):
                     cur.execute(
                         self.sql("write_entities_sql", kind, len(chunk)), _flatten(chunk, new)
                     )
+                if within is not None:
+                    within(cur, {i: old.get(i) for i in ids})
             if versions is not None:
                 versions.update(new)
             return old
@@ -715,30 +743,63 @@ class Backend(BucketOps, IndexOps):
         read_old: bool,
         versions: dict[bytes, int] | None = None,
         stamps: dict[bytes, int] | None = None,
+        expect: Mapping[bytes, int] | None = None,
+        refused: dict[bytes, int] | None = None,
+        within: Within | None = None,
     ) -> dict[bytes, bytes | None]:
         """Delete ids (of ``buckets``, which this shard must own); return ``{id:
         old body}`` of those that existed (the body is ``None`` unless ``read_old``).
         ``versions`` (if given) is filled with the deleted rows' versions, and
-        ``stamps`` (if given) with their ``updated``."""
+        ``stamps`` (if given) with their ``updated``.  ``expect``, ``refused``
+        and ``within`` as for :meth:`put_entities` (a failed condition deletes
+        nothing on this shard)."""
 
         def work(conn: Any) -> dict[bytes, bytes | None]:
             with self.transaction(conn) as cur:
                 found: dict[bytes, bytes | None] = {}
-                for r in self._locked_read(cur, kind, buckets, ids):
+                seen: dict[bytes, tuple[int, int]] = {}
+                for r in self._locked_read(cur, kind, buckets, ids, read_old):
                     found[r[0]] = r[1] if read_old else None
-                    if versions is not None:
-                        versions[r[0]] = r[2]
-                    if stamps is not None:
-                        stamps[r[0]] = r[3]
+                    seen[r[0]] = (r[2], r[3])
+                if expect:
+                    failed = {
+                        i: seen[i][0] if i in seen else 0
+                        for i, v in expect.items()
+                        if (seen[i][0] if i in seen else 0) != v
+                    }
+                    if failed:
+                        assert refused is not None, "expect needs refused"
+                        refused.update(failed)
+                        return {}
                 present = list(found)
                 for start in range(0, len(present), 1000):
                     part = present[start : start + 1000]
                     cur.execute(self.sql("delete_entities_sql", kind, len(part)), part)
-                return found
+                if within is not None:
+                    within(cur, found)
+            if versions is not None:
+                versions.update({i: v for i, (v, _) in seen.items()})
+            if stamps is not None:
+                stamps.update({i: u for i, (_, u) in seen.items()})
+            return found
 
         if not ids:
             return {}
         return self.run(work)
+
+    def read_locked(
+        self, kind: str, ids: Sequence[bytes], buckets: Sequence[int]
+    ) -> dict[bytes, Stored]:
+        """``{id: Stored}`` of the ids present, read in a write transaction with
+        their rows locked (of ``buckets``, which this shard must own): a write
+        still committing is waited for, never missed."""
+
+        def work(conn: Any) -> dict[bytes, Stored]:
+            with self.transaction(conn) as cur:
+                rows = self._locked_read(cur, kind, buckets, ids)
+            return {r[0]: Stored(bytes(r[1]), r[2], r[3]) for r in rows}
+
+        return self.run(work) if ids else {}
 
     def scan_entities(
         self, kind: str, after_added_id: int, limit: int
