@@ -21,6 +21,7 @@ from bagstore.cache import open_layer
 from bagstore.cache import request as _request
 from bagstore.cache.shared import CatalogCell
 from bagstore.catalog import Catalog, IndexCatalog, Placement, check_stamps
+from bagstore.colocated import atomicity
 from bagstore.conditional import DEFAULT_RETRIES, Conditional, check_expect, expectations
 from bagstore.errors import (
     ConfigurationError,
@@ -497,8 +498,10 @@ class Datastore:
         return self.router.map(on, range(len(backends)))
 
     def status(self) -> dict[str, Any]:
-        """Shards, buckets per shard and entity counts (one query per shard); for
-        SQLite files, the library's version and whether it has the WAL-reset bug."""
+        """Shards, buckets per shard and entity counts (one query per shard);
+        ``index_writes``: which indexes are written in their entity's
+        transaction (:mod:`bagstore.colocated`); for SQLite files, the
+        library's version and whether it has the WAL-reset bug."""
         counts = self._counts()
         topology = self.router.topology
         library: dict[str, Any] = {}
@@ -519,6 +522,10 @@ class Datastore:
                 for i, b in enumerate(topology.backends)
             ],
             "entities": sum(counts),
+            # which indexes are written in their entity's transaction
+            "index_writes": atomicity(
+                self.registry().maintained(), self.placer.shard_key, topology.sole_shard is not None
+            ),
             **({"cache": self.cache_layer.status()} if self.cache_layer.cache is not None else {}),
             **library,
         }

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from bagstore import codec, testing
 from bagstore.backends import EntityRow, Stored
+from bagstore.colocated import Colocated
 from bagstore.errors import (
     BackendError,
     BagstoreError,
@@ -141,7 +142,13 @@ class Writes:
             if b != last[i][0].bucket and shard_of[b] != shard_of[last[i][0].bucket]
         ]
         recorded = {i: row.bucket for i, (row, _) in last.items() if prior.get(i) != row.bucket}
-        self.placer.record(recorded)
+        # A lookup row on the entity's shard goes into its transaction; the
+        # others are written first, as the entity's index rows elsewhere after.
+        ahead = {i: b for i, b in recorded.items() if not self._beside(self.placer.id_bucket(i), b)}
+        self.placer.record(ahead)
+        along = {i: b for i, b in recorded.items() if i not in ahead}
+        together = Colocated(self.router, self.placer, self.kind, indexes)
+        skip = frozenset(i for i, _ in moved)
         # A conditional put that moves an entity checks its old copy's version.
         carried = self.versions_at([m for m in moved if m[0] in expect]) if expect else {}
         if expect is None:
@@ -156,11 +163,25 @@ class Writes:
         unwritten: set[bytes] = set()  # conditional: the refused shards' ids
 
         def write(backend: Backend, part: list[EntityRow]) -> dict[bytes, bytes]:
+            ids = [r.id for r in part]
+            within = together.within(
+                backend,
+                ids,
+                new_rows,
+                skip=skip,
+                lookups=along,
+                # a conditional put's cache lease: once its conditions held
+                before=None if expect is None else lambda: self.cache.before_write(ids),
+            )
             if expect is None:
                 return backend.put_entities(
-                    self.kind, part, read_old=bool(indexes), versions=versions, stamps=stamps
+                    self.kind,
+                    part,
+                    read_old=bool(indexes),
+                    versions=versions,
+                    stamps=stamps,
+                    within=within,
                 )
-            ids = [r.id for r in part]
             old = backend.put_entities(
                 self.kind,
                 part,
@@ -170,8 +191,7 @@ class Writes:
                 expect={i: expect[i] for i in ids if i in expect},
                 carried={i: carried[i] for i in ids if i in carried},
                 refused=refused,
-                # the cache's lease only once the conditions held (before the commit)
-                within=lambda cur, old: self.cache.before_write(ids),
+                within=within,
             )
             if any(i in refused for i in ids):
                 unwritten.update(ids)
@@ -189,8 +209,10 @@ class Writes:
                 with suppress(BackendError):
                     self.indexer.release_unheld(claimed)
             raise
+        self.placer.remember(together.recorded)
+        self.placer.record(together.late)  # lookup rows whose bucket moved meanwhile
         if unwritten:
-            claimed = self._undo(unwritten, claimed, recorded, prior)
+            claimed = self._undo(unwritten, claimed, ahead, prior)
             rows = [r for r in rows if r.id not in unwritten]
             moved = [m for m in moved if m[0] not in unwritten]
         old_bodies: dict[bytes, bytes] = {}
@@ -212,13 +234,14 @@ class Writes:
             # re-stamps the row after its commit (Indexer.apply;
             # docs/consistency.md, "Writers of the same entity at once").
             made = {c.row: c.at for c in claimed}
-            changes: list[Change] = []
+            changes: list[Change] = []  # every row changed, for the cache
+            rest: list[Change] = []  # those not written in the entity's transaction
             for entity_id in last:
                 if entity_id in unwritten:
                     continue
                 body = old_bodies.get(entity_id)
                 old = codec.decode(body) if body is not None else None
-                changes += Indexer.diff(
+                mine = Indexer.diff(
                     indexes,
                     new_rows[entity_id],
                     old,
@@ -228,7 +251,9 @@ class Writes:
                     old_stamp=stamps.get(entity_id),
                     made=made,
                 )
-            self.indexer.apply(changes, failpoint="put.after_index_delete")
+                changes += mine
+                rest += together.rest(mine, entity_id)
+            self.indexer.apply(rest, failpoint="put.after_index_delete")
             self.cache.rows_written(changes, claimed, self.registry())
         for entity, (row, fresh) in zip(entities, prepared, strict=True):
             if fresh and row.id not in unwritten:
@@ -236,6 +261,11 @@ class Writes:
         if unwritten:
             raise conflict(refused, [r.id for r in rows], "put")
         return [row.id for row, _ in prepared]
+
+    def _beside(self, bucket: int, other: int) -> bool:
+        """Whether two buckets are on one shard (by this process's placement)."""
+        shard_of = self.router.topology.shard_of_bucket
+        return shard_of[bucket] == shard_of[other]
 
     def _undo(
         self,
@@ -279,6 +309,7 @@ class Writes:
         else:  # an id found nowhere has no version
             refused.update({i: 0 for i, v in expect.items() if i not in where and v != 0})
         now = time.time_ns() // 1000  # this delete's stamp (see put's unique rows)
+        together = Colocated(self.router, self.placer, self.kind, indexes)
         found = self.delete_at(
             list(where.items()),
             read_old=bool(indexes),
@@ -287,6 +318,7 @@ class Writes:
             expect=expect,
             refused=refused,
             unwritten=unwritten,
+            together=together,
         )
         self.placer.forget([i for i in where if i not in unwritten])
         if found:
@@ -294,9 +326,10 @@ class Writes:
         self.cache.deletes_committed(versions)
         if indexes:
             changes: list[Change] = []
+            rest: list[Change] = []
             for entity_id, body in found.items():
                 old = codec.decode(body) if body is not None else None
-                changes += Indexer.diff(
+                mine = Indexer.diff(
                     indexes,
                     {},
                     old,
@@ -305,7 +338,9 @@ class Writes:
                     stamp=now,
                     old_stamp=stamps.get(entity_id),
                 )
-            self.indexer.apply(changes)
+                changes += mine
+                rest += together.rest(mine, entity_id)
+            self.indexer.apply(rest)
             self.cache.rows_written(changes, (), self.registry())
         if refused:
             raise conflict(refused, list(found), "delete")
@@ -321,16 +356,24 @@ class Writes:
         expect: Mapping[bytes, int] | None = None,
         refused: dict[bytes, int] | None = None,
         unwritten: set[bytes] | None = None,
+        together: Colocated | None = None,
     ) -> dict[bytes, bytes | None]:
         """Delete ``(id, bucket)`` entities (fenced); ``{id: old body}`` of those found
         (and their versions into ``versions``, their ``updated`` into ``stamps``,
         if given).  With ``expect``: a shard where an id has another version
         deletes nothing (``refused`` gets ``{id: found}``, ``unwritten`` the
         shard's ids), and the cache's lease is taken only where the
-        conditions held."""
+        conditions held.  ``together``: the index rows on each entity's shard
+        are deleted in its transaction (see :mod:`bagstore.colocated`)."""
 
         def work(backend: Backend, part: list[tuple[bytes, int]]) -> dict[bytes, bytes | None]:
             ids = [i for i, _ in part]
+            lease = None if expect is None else lambda: self.cache.before_write(ids)
+            within = None
+            if together is not None:
+                within = together.within(backend, ids, None, before=lease)
+            elif lease is not None:
+                within = lambda cur, old: lease()  # noqa: E731
             if expect is None:
                 return backend.delete_entities(
                     self.kind,
@@ -339,6 +382,7 @@ class Writes:
                     read_old=read_old,
                     versions=versions,
                     stamps=stamps,
+                    within=within,
                 )
             assert refused is not None and unwritten is not None
             found = backend.delete_entities(
@@ -350,7 +394,7 @@ class Writes:
                 stamps=stamps,
                 expect={i: expect[i] for i in ids if i in expect},
                 refused=refused,
-                within=lambda cur, old: self.cache.before_write(ids),
+                within=within,
             )
             if any(i in refused for i in ids):
                 unwritten.update(ids)

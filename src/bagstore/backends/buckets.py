@@ -102,8 +102,18 @@ class BucketOps:
             out.update({bytes(r[0]): int(r[1]) for r in rows})
         return out
 
-    def record_ids(self, kind: str, rows: Sequence[tuple[bytes, int, int]]) -> None:
-        """Record ``(id, bucket of the id, bucket of the entity)`` rows."""
+    def record_ids(
+        self, kind: str, rows: Sequence[tuple[bytes, int, int]], cur: Any = None
+    ) -> None:
+        """Record ``(id, bucket of the id, bucket of the entity)`` rows (in
+        ``cur``'s transaction if given)."""
+        if cur is not None:
+            sql = self.dialect.upsert_sql(
+                "bagstore_ids", ["kind", "entity_id"], ["bagstore_bucket", "entity_bucket"]
+            )
+            for entity_id, id_bucket, entity_bucket in rows:
+                cur.execute(sql, [kind, entity_id, id_bucket, entity_bucket])
+            return
         for entity_id, id_bucket, entity_bucket in rows:
             self.upsert(
                 "bagstore_ids",
