@@ -22,7 +22,7 @@ from dataclasses import asdict
 
 from bench import common
 
-SUITES = ["codec", "core", "indexes", "sequences", "cache", "cleaner", "scaleout"]
+SUITES = ["codec", "core", "indexes", "update", "sequences", "cache", "cleaner", "scaleout"]
 
 
 def main(argv: list[str] | None = None) -> int:

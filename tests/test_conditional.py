@@ -302,3 +302,22 @@ def test_two_processes_update_one_counter(topo: Topology) -> None:
     assert ds.get(entity_id)["n"] == 1000  # type: ignore[index]
     assert conflicts >= 0
     print(f"{topo.name}: 1000 updates by 2 processes, {conflicts} conflicts retried")
+
+
+def test_a_conditional_put_from_a_stale_placement_is_fenced(topo: Topology) -> None:
+    """The one-statement conditional write of an entity without index rows
+    checks the bucket's ownership too: a process that missed a bucket move
+    is refused by the old shard and writes where the bucket is now."""
+    stale = topo.open(buckets=16, refresh_interval=3600)
+    admin = topo.open()
+    entity_id = stale.put({"n": 1})
+    bucket = bucket_of(entity_id, 16)
+    source = stale.placement.shard_of_bucket[bucket]
+    _, version = stale.get_with_version(entity_id)  # type: ignore[misc]
+    admin.move_buckets([bucket], to=(source + 1) % 4, grace=0)
+    stale.put({"id": entity_id, "n": 2}, expect_version=version)
+    assert stale.placement.shard_of_bucket[bucket] == (source + 1) % 4
+    assert admin.get(entity_id) == {"id": entity_id, "n": 2}
+    assert admin.router.backends[source].get_bodies("entities", [entity_id]) == {}
+    with pytest.raises(bagstore.Conflict):
+        stale.put({"id": entity_id, "n": 3}, expect_version=version)

@@ -475,7 +475,7 @@ def seq_show(ctx: click.Context, as_json: bool) -> None:
 @click.argument(
     "suite",
     type=click.Choice(
-        ["all", "core", "indexes", "sequences", "cache", "cleaner", "scaleout", "codec"]
+        ["all", "core", "indexes", "update", "sequences", "cache", "cleaner", "scaleout", "codec"]
     ),
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)

@@ -85,12 +85,15 @@ class Colocated:
         skip: frozenset[bytes] = frozenset(),
         lookups: Mapping[bytes, int] | None = None,
         before: Callable[[], None] | None = None,
-    ) -> Callable[[Any, dict[bytes, bytes | None]], None]:
+    ) -> Callable[[Any, dict[bytes, bytes | None]], None] | None:
         """The ``within`` of the transaction writing ``ids`` on ``backend``:
         ``new_rows`` their new index rows (None: a delete), ``skip`` ids whose
         old body is not in this transaction (moved from another shard),
         ``lookups`` the lookup rows ``{id: entity bucket}`` to write,
-        ``before`` run first (the cache's lease of a conditional write)."""
+        ``before`` run first (the cache's lease of a conditional write).
+        None when there is nothing to do there."""
+        if not self.plain and before is None and not (lookups and any(i in lookups for i in ids)):
+            return None
 
         def run(cur: Any, old: dict[bytes, bytes | None]) -> None:
             if before is not None:

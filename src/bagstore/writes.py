@@ -141,7 +141,11 @@ class Writes:
             for i, b in prior.items()
             if b != last[i][0].bucket and shard_of[b] != shard_of[last[i][0].bucket]
         ]
-        recorded = {i: row.bucket for i, (row, _) in last.items() if prior.get(i) != row.bucket}
+        recorded = {
+            i: row.bucket
+            for i, (row, _) in last.items()
+            if self.placer.keyed and prior.get(i) != row.bucket
+        }
         # A lookup row on the entity's shard goes into its transaction; the
         # others are written first, as the entity's index rows elsewhere after.
         ahead = {i: b for i, b in recorded.items() if not self._beside(self.placer.id_bucket(i), b)}
@@ -150,7 +154,7 @@ class Writes:
         together = Colocated(self.router, self.placer, self.kind, indexes)
         skip = frozenset(i for i, _ in moved)
         # A conditional put that moves an entity checks its old copy's version.
-        carried = self.versions_at([m for m in moved if m[0] in expect]) if expect else {}
+        carried = self.versions_at([m for m in moved if m[0] in expect]) if expect and moved else {}
         if expect is None:
             self.cache.before_write(list(last))
         testing.hit("put.before_entity")
@@ -162,6 +166,8 @@ class Writes:
         refused: dict[bytes, int] = {}  # conditional: {id: version found}
         unwritten: set[bytes] = set()  # conditional: the refused shards' ids
 
+        leases = self.cache.cache is not None  # a shared cache level to lease keys in
+
         def write(backend: Backend, part: list[EntityRow]) -> dict[bytes, bytes]:
             ids = [r.id for r in part]
             within = together.within(
@@ -171,7 +177,9 @@ class Writes:
                 skip=skip,
                 lookups=along,
                 # a conditional put's cache lease: once its conditions held
-                before=None if expect is None else lambda: self.cache.before_write(ids),
+                before=None
+                if expect is None or not leases
+                else lambda: self.cache.before_write(ids),
             )
             if expect is None:
                 return backend.put_entities(

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 from bagstore.backends.buckets import BucketOps, ownership_error
 from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
 from bagstore.errors import BackendError, BagstoreError, ConfigurationError, ShardUnavailable
-from bagstore.versions import next_version
+from bagstore.versions import clock, next_version
 
 __all__ = [
     "ENTITY_COLUMNS",
@@ -210,6 +210,18 @@ class Dialect:
         exists gets the larger of its version + 1 and the one given (bagstore's
         writes: see :mod:`bagstore.versions`)."""
         raise NotImplementedError
+
+    def conditional_update_sql(self, kind: str) -> str:
+        """Replace one row ``(bucket, updated, version, body)`` only if its id
+        has the version given and this shard owns the bucket (share-locked, as
+        a fenced insert's): parameters ``bucket, updated, version, body, id,
+        expected version, bucket``."""
+        p = self.param
+        return (
+            f"UPDATE {self.q(kind)} SET bucket = {p}, updated = {p}, version = {p}, body = {p} "
+            f"WHERE id = {p} AND version = {p} AND EXISTS (SELECT 1 FROM bagstore_owned "
+            f"WHERE bucket = {p} AND state = 0{self.share_lock})"
+        )
 
     def version_type_sql(self) -> str | None:
         """The type of a table's ``version`` column (the table named by the one
@@ -669,6 +681,16 @@ class Backend(BucketOps, IndexOps):
         if given, runs in the transaction after the upsert (``old``: ``{id:
         replaced body or None}``, the bodies only with ``read_old``)."""
 
+        one = rows[0] if len(rows) == 1 else None
+        if (
+            one is not None
+            and expect
+            and expect.get(one.id, 0) > 0
+            and not (read_old or carried or within)
+            and self._update_if(kind, one, expect[one.id], versions)
+        ):
+            return {}  # one statement did it (else: the transaction finds out why not)
+
         def work(conn: Any) -> dict[bytes, bytes]:
             old: dict[bytes, bytes] = {}
             found: dict[bytes, int] = {}
@@ -701,6 +723,21 @@ class Backend(BucketOps, IndexOps):
             return old
 
         return self.run(work)
+
+    def _update_if(
+        self, kind: str, row: EntityRow, expected: int, versions: dict[bytes, int] | None
+    ) -> bool:
+        """A conditional write of one existing row that needs nothing else in
+        its transaction: one ``UPDATE ... WHERE version = expected`` (its new
+        version above the one it replaces, whatever the clock says).  False if
+        it changed nothing (another version, no row, or a bucket not owned)."""
+        new = max(expected + 1, clock())
+        params = [row.bucket, row.updated, new, row.body, row.id, expected, row.bucket]
+        if self.execute(self.sql("conditional_update_sql", kind), params) != 1:
+            return False
+        if versions is not None:
+            versions[row.id] = new
+        return True
 
     def _locked_read(
         self,
