@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from bagstore.sharding.placer import Placer
     from bagstore.writes import Writes
 
-__all__ = ["DEFAULT_RETRIES", "Conditional", "check_expect", "expectations"]
+__all__ = ["DEFAULT_RETRIES", "Conditional", "check_expect", "expectations", "expecting"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,13 @@ def check_expect(value: object, error: type[BagstoreError], what: str = "expect_
     if not 0 <= value <= _MAX_VERSION:
         raise error(f"{what} must be 0 or more (0: only if absent), not {value}")
     return value
+
+
+def expecting(entity_id: bytes, expect_version: object) -> dict[bytes, int] | None:
+    """The ``{id: version}`` a ``delete(id, expect_version=...)`` asks for."""
+    if expect_version is None:
+        return None
+    return {entity_id: check_expect(expect_version, InvalidQuery)}
 
 
 def expectations(

@@ -22,7 +22,7 @@ from bagstore.cache import request as _request
 from bagstore.cache.shared import CatalogCell
 from bagstore.catalog import Catalog, IndexCatalog, Placement, check_stamps
 from bagstore.colocated import atomicity
-from bagstore.conditional import DEFAULT_RETRIES, Conditional, check_expect, expectations
+from bagstore.conditional import DEFAULT_RETRIES, Conditional, expectations, expecting
 from bagstore.errors import (
     ConfigurationError,
     InvalidEntity,
@@ -319,10 +319,7 @@ class Datastore:
         """Delete one entity and its index rows; False if it did not exist.
         ``expect_version``: only if it is at that version (``Conflict``)."""
         entity_id = check_id(entity_id, InvalidQuery)
-        expect = None
-        if expect_version is not None:
-            expect = {entity_id: check_expect(expect_version, InvalidQuery)}
-        return self._writes.delete([entity_id], expect) == 1
+        return self._writes.delete([entity_id], expecting(entity_id, expect_version)) == 1
 
     def get_with_version(self, entity_id: bytes) -> tuple[dict[str, Any], int] | None:
         """``(entity, version)`` from the shard holding it (never a cache), or None."""
@@ -499,9 +496,8 @@ class Datastore:
 
     def status(self) -> dict[str, Any]:
         """Shards, buckets per shard and entity counts (one query per shard);
-        ``index_writes``: which indexes are written in their entity's
-        transaction (:mod:`bagstore.colocated`); for SQLite files, the
-        library's version and whether it has the WAL-reset bug."""
+        ``index_writes``: which indexes are written with their entity
+        (:mod:`bagstore.colocated`); SQLite's version and WAL-reset bug."""
         counts = self._counts()
         topology = self.router.topology
         library: dict[str, Any] = {}
@@ -522,7 +518,6 @@ class Datastore:
                 for i, b in enumerate(topology.backends)
             ],
             "entities": sum(counts),
-            # which indexes are written in their entity's transaction
             "index_writes": atomicity(
                 self.registry().maintained(), self.placer.shard_key, topology.sole_shard is not None
             ),
