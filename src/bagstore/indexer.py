@@ -229,15 +229,20 @@ class Indexer:
         """Delete, then insert, the rows of ``changes`` (of indexes that are not
         unique) in the transaction of ``cur`` on ``backend``: an entity write's,
         when the rows live on the entity's shard.  Fenced like :meth:`apply`."""
-        for ch in changes:
-            if ch.delete:
+        per_index: dict[str, tuple[Index, list[IndexRow], list[IndexRow]]] = {}
+        for ch in changes:  # one statement per index and chunk, not per entity
+            entry = per_index.setdefault(ch.index.table, (ch.index, [], []))
+            entry[1].extend(ch.delete)
+            entry[2].extend(ch.insert)
+        for index, delete, _ in per_index.values():
+            if delete:
                 backend.delete_index_rows(
-                    ch.index.table, ch.index.properties, list(ch.delete), fenced=True, cur=cur
+                    index.table, index.properties, delete, fenced=True, cur=cur
                 )
-        for ch in changes:
-            if ch.insert:
+        for index, _, insert in per_index.values():
+            if insert:
                 backend.insert_index_rows(
-                    ch.index.table, ch.index.properties, list(ch.insert), fenced=True, cur=cur
+                    index.table, index.properties, insert, fenced=True, cur=cur
                 )
 
     def _run(self, items: list[tuple[Index, IndexRow, int | None]], op: str) -> None:
