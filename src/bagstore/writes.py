@@ -113,6 +113,10 @@ class Writes:
         """Store entities; with ``expect`` (``{id: version}``, checked by the
         caller: see :mod:`bagstore.conditional`) only on the shards where every
         entity has the version expected, raising ``Conflict`` for the rest."""
+        if expect and len(entities) == 1 and self._alone():
+            done = self._update_one(entities[0], expect)
+            if done is not None:
+                return [done]
         prepared = [self.row(e) for e in entities]
         indexes = self.registry().maintained()
         last: dict[bytes, tuple[EntityRow, dict[str, Any]]] = {}
@@ -269,6 +273,30 @@ class Writes:
         if unwritten:
             raise conflict(refused, [r.id for r in rows], "put")
         return [row.id for row, _ in prepared]
+
+    def _alone(self) -> bool:
+        """Whether an entity's write is its row alone: no index to maintain, no
+        lookup row, no shared cache level to lease keys in."""
+        return (
+            not self.placer.keyed and self.cache.cache is None and not self.registry().maintained()
+        )
+
+    def _update_one(self, entity: dict[str, Any], expect: Mapping[bytes, int]) -> bytes | None:
+        """A conditional put of one existing entity that is its row alone: one
+        fenced ``UPDATE ... WHERE version = expected``.  None if it changed
+        nothing (then the whole write path finds out why: a conflict, a moved
+        bucket)."""
+        row, fresh = self.row(entity)
+        expected = expect.get(row.id, 0)
+        if fresh or expected <= 0:
+            return None
+        row = replace(row, updated=time.time_ns() // 1000)
+        versions: dict[bytes, int] = {}
+        backend = self.router.topology.backend_of(row.bucket)
+        if not backend.update_if(self.kind, row, expected, versions, moves=False):
+            return None
+        self.cache.puts_committed([row], versions, self.fetch_many)
+        return row.id
 
     def _beside(self, bucket: int, other: int) -> bool:
         """Whether two buckets are on one shard (by this process's placement)."""

@@ -211,16 +211,17 @@ class Dialect:
         writes: see :mod:`bagstore.versions`)."""
         raise NotImplementedError
 
-    def conditional_update_sql(self, kind: str) -> str:
-        """Replace one row ``(bucket, updated, version, body)`` only if its id
-        has the version given and this shard owns the bucket (share-locked, as
-        a fenced insert's): parameters ``bucket, updated, version, body, id,
-        expected version, bucket``."""
+    def conditional_update_sql(self, kind: str, moves: bool) -> str:
+        """Replace one row's ``updated, version, body`` (and ``bucket`` first
+        if ``moves``) only if its id has the version given and this shard owns
+        the bucket (share-locked, as a fenced insert's): parameters ``[bucket,]
+        updated, version, body, id, expected version, bucket``.  (An indexed
+        column left out of the SET costs nothing.)"""
         p = self.param
         return (
-            f"UPDATE {self.q(kind)} SET bucket = {p}, updated = {p}, version = {p}, body = {p} "
-            f"WHERE id = {p} AND version = {p} AND EXISTS (SELECT 1 FROM bagstore_owned "
-            f"WHERE bucket = {p} AND state = 0{self.share_lock})"
+            f"UPDATE {self.q(kind)} SET {f'bucket = {p}, ' if moves else ''}updated = {p}, "
+            f"version = {p}, body = {p} WHERE id = {p} AND version = {p} AND EXISTS "
+            f"(SELECT 1 FROM bagstore_owned WHERE bucket = {p} AND state = 0{self.share_lock})"
         )
 
     def version_type_sql(self) -> str | None:
@@ -687,7 +688,7 @@ class Backend(BucketOps, IndexOps):
             and expect
             and expect.get(one.id, 0) > 0
             and not (read_old or carried or within)
-            and self._update_if(kind, one, expect[one.id], versions)
+            and self.update_if(kind, one, expect[one.id], versions)
         ):
             return {}  # one statement did it (else: the transaction finds out why not)
 
@@ -724,16 +725,25 @@ class Backend(BucketOps, IndexOps):
 
         return self.run(work)
 
-    def _update_if(
-        self, kind: str, row: EntityRow, expected: int, versions: dict[bytes, int] | None
+    def update_if(
+        self,
+        kind: str,
+        row: EntityRow,
+        expected: int,
+        versions: dict[bytes, int] | None,
+        *,
+        moves: bool = True,
     ) -> bool:
         """A conditional write of one existing row that needs nothing else in
         its transaction: one ``UPDATE ... WHERE version = expected`` (its new
         version above the one it replaces, whatever the clock says).  False if
-        it changed nothing (another version, no row, or a bucket not owned)."""
+        it changed nothing (another version, no row, or a bucket not owned).
+        ``moves=False``: the row's bucket is the one it has (placed by its id)."""
         new = max(expected + 1, clock())
-        params = [row.bucket, row.updated, new, row.body, row.id, expected, row.bucket]
-        if self.execute(self.sql("conditional_update_sql", kind), params) != 1:
+        params = [row.updated, new, row.body, row.id, expected, row.bucket]
+        if moves:
+            params.insert(0, row.bucket)
+        if self.execute(self.sql("conditional_update_sql", kind, moves), params) != 1:
             return False
         if versions is not None:
             versions[row.id] = new
