@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if backends is None:
         return 2
     print_machine(args.format)
-    per_thread = 40 if args.quick else 300
+    per_thread = 150 if args.quick else 500
     rounds = 3 if args.quick else args.rounds
     results: list[Result] = []
     failed: list[str] = []
