@@ -293,8 +293,10 @@ class Writes:
         row = replace(row, updated=time.time_ns() // 1000)
         versions: dict[bytes, int] = {}
         backend = self.router.topology.backend_of(row.bucket)
+        testing.hit("put.before_entity")
         if not backend.update_if(self.kind, row, expected, versions, moves=False):
             return None
+        testing.hit("put.after_entity")
         self.cache.puts_committed([row], versions, self.fetch_many)
         return row.id
 
