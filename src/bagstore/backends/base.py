@@ -211,6 +211,14 @@ class Dialect:
         writes: see :mod:`bagstore.versions`)."""
         raise NotImplementedError
 
+    def put_one_sql(self, kind: str) -> str | None:
+        """One statement that upserts one entity ``(id, bucket, updated, body)``
+        if this shard owns its bucket (parameters: those, then the bucket) and
+        returns its new version, the clock read under the row's lock (see
+        :mod:`bagstore.versions`); None where no statement can (then a
+        transaction does it)."""
+        return None
+
     def conditional_update_sql(self, kind: str, moves: bool) -> str:
         """Replace one row's ``updated, version, body`` (and ``bucket`` first
         if ``moves``) only if its id has the version given and this shard owns
@@ -683,6 +691,9 @@ class Backend(BucketOps, IndexOps):
         replaced body or None}``, the bodies only with ``read_old``)."""
 
         one = rows[0] if len(rows) == 1 else None
+        alone = one is not None and not (read_old or expect or carried or within)
+        if alone and self._put_one(kind, rows[0], versions):
+            return {}
         if (
             one is not None
             and expect
@@ -724,6 +735,29 @@ class Backend(BucketOps, IndexOps):
             return old
 
         return self.run(work)
+
+    def _put_one(self, kind: str, row: EntityRow, versions: dict[bytes, int] | None) -> bool:
+        """One entity in one statement, where the dialect has one; False if it
+        has none (or the bucket came back to this shard meanwhile)."""
+        sql = self.sql("put_one_sql", kind)
+        if sql is None:
+            return False
+
+        def work(conn: Any) -> Any:
+            cur = conn.cursor()
+            try:
+                cur.execute(sql, [row.id, row.bucket, row.updated, row.body, row.bucket])
+                return cur.fetchone()
+            finally:
+                cur.close()
+
+        found = self.run(work)
+        if found is None:  # the bucket is not owned here (or is frozen)
+            self.check_owned([row.bucket])
+            return False
+        if versions is not None:
+            versions[row.id] = int(found[0])
+        return True
 
     def update_if(
         self,

@@ -43,6 +43,7 @@ from bagstore.errors import (
     ShardTimeout,
     ShardUnavailable,
 )
+from bagstore.versions import clock
 
 __all__ = ["SQLiteBackend", "SQLiteDialect", "has_wal_reset_bug", "wal_reset_advice"]
 
@@ -184,6 +185,20 @@ class SQLiteDialect(Dialect):
             f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
             "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
             "updated = excluded.updated, version = excluded.version, body = excluded.body"
+        )
+
+    def put_one_sql(self, kind: str) -> str | None:
+        # The version's clock is read inside the statement, under the file's
+        # write lock (taken before anything is evaluated): after every write
+        # and delete of the id that came before (bagstore.versions).
+        if sqlite3.sqlite_version_info < (3, 35, 0):  # no RETURNING
+            return None
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) "
+            "SELECT ?, ?, ?, bagstore_clock(), ? FROM bagstore_owned "
+            "WHERE bucket = ? AND state = 0 "
+            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, updated = excluded.updated, "
+            "version = MAX(version + 1, excluded.version), body = excluded.body RETURNING version"
         )
 
     def write_entities_sql(self, kind: str, rows: int) -> str:
@@ -371,6 +386,7 @@ class SQLiteBackend(Backend):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         conn.execute("PRAGMA busy_timeout=0")  # bagstore waits for locks itself (see run)
+        conn.create_function("bagstore_clock", 0, clock)  # see SQLiteDialect.put_one_sql
         with self._lock:
             self._all.append(conn)
         return conn
