@@ -26,6 +26,7 @@ SUITES = [
     "codec",
     "core",
     "indexes",
+    "update",
     "sequences",
     "cache",
     "cleaner",

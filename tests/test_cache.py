@@ -28,6 +28,7 @@ from bagstore.cache.request import current
 from bagstore.errors import ConfigurationError
 from bagstore.query import parse_filters, plan_query
 from tests import servers
+from tests.colocation import apart
 from tests.conftest import Topology, _need, started
 
 user_pub = bagstore.Index(
@@ -912,7 +913,9 @@ def test_a_writer_dying_after_its_commit_leaves_nothing_stale(
     """The writer leases the keys before it commits: if it dies before it
     invalidates, readers go to the database (until the lease's TTL)."""
     w, r = pair
-    a = w.put({"user_id": b"d1", "published": 1, "n": 1})
+    body = {"user_id": b"d1", "published": 1, "n": 1}
+    # rows on other shards: those on the entity's are written with it
+    a = w.put({"id": apart(w, body, {**body, "user_id": b"d2"}), **body})
     for _ in range(2):
         assert r.get(a)["n"] == 1
         assert ids(user_pub.get_all(r, user_id=b"d1")) == [a]

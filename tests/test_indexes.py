@@ -15,6 +15,7 @@ import pytest
 import bagstore
 from bagstore import codec, keys, testing
 from bagstore.sharding.hashing import bucket_of
+from tests.colocation import apart
 from tests.conftest import Topology
 
 user_idx = bagstore.Index(table="index_user_id", properties=["user_id"], shard_on="user_id")
@@ -225,7 +226,9 @@ def test_unique_value_too_long_is_refused(ds: bagstore.Datastore) -> None:
 
 @pytest.mark.parametrize("point", ["put.after_entity", "put.after_index_delete"])
 def test_crash_during_put_never_yields_a_wrong_entity(ds: bagstore.Datastore, point: str) -> None:
-    entity_id = ds.put({"user_id": b"old", "published": 1, "tags": ["t1"]})
+    old = {"user_id": b"old", "published": 1, "tags": ["t1"]}
+    new = {"user_id": b"new", "published": 2, "tags": ["t2"]}
+    entity_id = ds.put({"id": apart(ds, old, new), **old})  # rows on other shards
     with testing.failpoint(point), pytest.raises(testing.SimulatedCrash):
         ds.put({"id": entity_id, "user_id": b"new", "published": 2, "tags": ["t2"]})
     assert ds.get(entity_id)["user_id"] == b"new"  # type: ignore[index]
@@ -242,7 +245,8 @@ def test_crash_during_put_never_yields_a_wrong_entity(ds: bagstore.Datastore, po
 
 
 def test_crash_after_delete_never_yields_a_wrong_entity(ds: bagstore.Datastore) -> None:
-    entity_id = ds.put({"user_id": b"u", "tags": ["t"]})
+    body = {"user_id": b"u", "tags": ["t"]}
+    entity_id = ds.put({"id": apart(ds, body), **body})  # rows on other shards
     with testing.failpoint("delete.after_entity"), pytest.raises(testing.SimulatedCrash):
         ds.delete(entity_id)
     assert ds.get(entity_id) is None

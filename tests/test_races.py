@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 import bagstore
+from tests.colocation import apart
 from tests.conftest import Topology
 
 #: Rounds per test run (both writers put every id of a round twice); a fixed
@@ -162,7 +163,8 @@ def test_one_writers_late_index_changes(topo: Topology, case: str) -> None:
     by_v = bagstore.Index(table="index_v", properties=["v"])
     ds = topo.open(indexes=[by_v])
     late = topo.open()  # another writer (it maintains index_v from the catalog)
-    entity_id = bagstore.new_id()
+    # rows on other shards: those on the entity's are written with it
+    entity_id = apart(ds, {"v": "a"}, {"v": "b"})
     if first is not None:
         ds.put({"id": entity_id, **first})
     finish = _late_index_changes(late, lambda: late.put({"id": entity_id, **held_body}))

@@ -208,10 +208,16 @@ def _index_doc(index: bagstore.Index, state: str) -> dict[str, Any]:
     return {**index.definition(), "state": state}
 
 
-def _index_table(indexes: Mapping[str, tuple[bagstore.Index, str]]) -> Table:
+def _index_table(
+    indexes: Mapping[str, tuple[bagstore.Index, str]], writes: Mapping[str, str] | None = None
+) -> Table:
+    """The indexes' table; ``writes``: how each is written (``status()``'s
+    ``index_writes``), as one more column."""
     table = Table(title="Indexes", title_justify="left")
     for column in ("index", "properties", "shard_on", "unique", "state"):
         table.add_column(column)
+    if writes is not None:
+        table.add_column("written with the entity", overflow="fold")
     styles = {"ready": "green", "building": "yellow", "retired": "dim"}
     for name, (index, state) in sorted(indexes.items()):
         table.add_row(
@@ -220,6 +226,7 @@ def _index_table(indexes: Mapping[str, tuple[bagstore.Index, str]]) -> Table:
             index.shard_on,
             "yes" if index.unique else "",
             f"[{styles.get(state, '')}]{state}[/]",
+            *([writes.get(name, "")] if writes is not None else []),
         )
     return table
 
@@ -358,7 +365,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     if replicated:
         out.print(replication_table(replicated))
     if indexes:
-        out.print(_index_table(indexes))
+        out.print(_index_table(indexes, report["index_writes"]))
     else:
         out.print("No indexes (add one with `bagstore index add`).")
     for r in lags:

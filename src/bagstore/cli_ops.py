@@ -475,7 +475,18 @@ def seq_show(ctx: click.Context, as_json: bool) -> None:
 @click.argument(
     "suite",
     type=click.Choice(
-        ["all", "core", "indexes", "sequences", "cache", "cleaner", "scaleout", "codec", "changes"]
+        [
+            "all",
+            "core",
+            "indexes",
+            "update",
+            "sequences",
+            "cache",
+            "cleaner",
+            "scaleout",
+            "codec",
+            "changes",
+        ]
     ),
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)

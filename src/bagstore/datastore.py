@@ -23,6 +23,8 @@ from bagstore.cache import request as _request
 from bagstore.cache.shared import CatalogCell
 from bagstore.catalog import Catalog, IndexCatalog, Placement, check_stamps
 from bagstore.changes import ChangePage, Feed
+from bagstore.colocated import atomicity
+from bagstore.conditional import DEFAULT_RETRIES, Conditional, expectations, expecting
 from bagstore.errors import (
     ConfigurationError,
     InvalidEntity,
@@ -203,6 +205,7 @@ class Datastore:
                 self.max_body_bytes,
             )
             self._queries = Queries(self.kind, self.index_tables, self._reads)
+            self._conditional = Conditional(self._writes, self.placer, self._reads.fetch_many)
             declared = IndexTables.check_declared(indexes)
             self.index_tables.load()
             for index in declared:
@@ -302,28 +305,45 @@ class Datastore:
         return rename_index(self, old, new, settle=settle)
 
     # -- writes (bagstore.writes) ------------------------------------------------
-    def put(self, entity: dict[str, Any]) -> bytes:
+    def put(self, entity: dict[str, Any], *, expect_version: int | None = None) -> bytes:
         """Store the whole entity (replacing any previous body); return its id.
 
         An entity without ``id`` gets a new one (:func:`bagstore.new_id`), which
-        is also set in the dict passed in.
+        is also set in the dict passed in.  ``expect_version``: write only if
+        the stored version is that (0: only if absent), else raise
+        :class:`bagstore.Conflict` (see :mod:`bagstore.conditional`).
         """
-        return self._writes.put([entity])[0]
+        return self._writes.put([entity], expectations([entity], expect_version))[0]
 
-    def put_many(self, entities: Sequence[dict[str, Any]]) -> list[bytes]:
+    def put_many(
+        self, entities: Sequence[dict[str, Any]], *, expect_versions: Any = None
+    ) -> list[bytes]:
         """Store many entities: one statement (chunked) per shard, shards in parallel.
 
         Every entity is validated (and unique values claimed) before any entity
         is written.  The same id twice in one call keeps the last body.
+        ``expect_versions`` (``{id: version}``): each shard is written only if
+        all its entities' conditions hold (``Conflict`` lists the rest).
         """
         if isinstance(entities, dict):
             raise InvalidEntity("put_many takes a list of entities, not one dict")
-        return self._writes.put(list(entities))
+        entities = list(entities)
+        return self._writes.put(entities, expectations(entities, None, expect_versions))
 
-    def delete(self, entity_id: bytes) -> bool:
-        """Delete one entity and its index rows; False if it did not exist."""
+    def delete(self, entity_id: bytes, *, expect_version: int | None = None) -> bool:
+        """Delete one entity and its index rows; False if it did not exist.
+        ``expect_version``: only if it is at that version (``Conflict``)."""
         entity_id = check_id(entity_id, InvalidQuery)
-        return self._writes.delete([entity_id]) == 1
+        return self._writes.delete([entity_id], expecting(entity_id, expect_version)) == 1
+
+    def get_with_version(self, entity_id: bytes) -> tuple[dict[str, Any], int] | None:
+        """``(entity, version)`` from the shard holding it (never a cache), or None."""
+        return self._conditional.get_with_version(check_id(entity_id, InvalidQuery))
+
+    def update(self, entity_id: bytes, fn: Any, *, retries: int = DEFAULT_RETRIES) -> Any:
+        """Read, ``fn(entity)``, put if unchanged meanwhile, retry on ``Conflict``;
+        the entity stored (see :meth:`bagstore.conditional.Conditional.update`)."""
+        return self._conditional.update(entity_id, fn, retries)
 
     def delete_many(self, ids: Iterable[bytes]) -> int:
         """Delete many entities (shards in parallel); return how many existed."""
@@ -519,8 +539,9 @@ class Datastore:
         return self.router.map(on, range(len(backends)))
 
     def status(self) -> dict[str, Any]:
-        """Shards, buckets per shard and entity counts (one query per shard); for
-        SQLite files, the library's version and whether it has the WAL-reset bug."""
+        """Shards, buckets per shard and entity counts (one query per shard);
+        ``index_writes``: which indexes are written with their entity
+        (:mod:`bagstore.colocated`); SQLite's version and WAL-reset bug."""
         counts = self._counts()
         topology = self.router.topology
         library: dict[str, Any] = {}
@@ -541,6 +562,9 @@ class Datastore:
                 for i, b in enumerate(topology.backends)
             ],
             "entities": sum(counts),
+            "index_writes": atomicity(
+                self.registry().maintained(), self.placer.shard_key, topology.sole_shard is not None
+            ),
             **({"cache": self.cache_layer.status()} if self.cache_layer.cache is not None else {}),
             **library,
         }

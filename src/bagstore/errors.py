@@ -4,6 +4,7 @@ Every error bagstore raises derives from :class:`BagstoreError`::
 
     BagstoreError
       ConfigurationError              bad URL or config file, shards that do not match the catalog
+      Conflict                        a conditional write found another version: nothing written
       InvalidEntity                   bad entity: not a dict, bad id, unencodable value, too big
       InvalidQuery                    unknown lookup, bad filter value, bad cursor
         ChangesPruned                 a change feed position older than the changes kept
@@ -42,6 +43,7 @@ __all__ = [
     "ChangesLost",
     "ChangesPruned",
     "ConfigurationError",
+    "Conflict",
     "DuplicateValue",
     "IndexNotReady",
     "InvalidEntity",
@@ -61,6 +63,31 @@ class BagstoreError(Exception):
 
 class ConfigurationError(BagstoreError):
     """The datastore was configured wrongly (URL, config file, shard list, names)."""
+
+
+class Conflict(BagstoreError):
+    """A conditional write (``expect_version``) found another version stored.
+
+    ``id`` is a refused entity's id and ``found`` the version it has (0: no
+    entity); ``refused`` maps every refused id to its version found, and
+    ``written`` lists the ids of the call that were written (a ``put_many``
+    writes the shards where every condition held).  A refused entity is left
+    exactly as it was."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        id: bytes,
+        found: int,
+        refused: dict[bytes, int] | None = None,
+        written: list[bytes] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.id = id
+        self.found = found
+        self.refused = refused if refused is not None else {id: found}
+        self.written = written or []
 
 
 class InvalidEntity(BagstoreError, ValueError):

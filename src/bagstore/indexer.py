@@ -1,11 +1,14 @@
 """Keeping index rows in step with entities (the write path's step 2).
 
-After an entity's transaction commits, the rows for values that went away are
-deleted and rows for new values inserted, grouped per shard, shards in
-parallel.  These writes are not atomic with the entity: a crash between them
-leaves rows missing or stale, which reads tolerate (they re-check) and the
-Cleaner repairs.  So do two writers of one entity when the first one's index
-changes land after the second one's: nothing orders them (docs/consistency.md,
+Rows of indexes that are not unique and that live on the entity's own shard
+are written in the entity's transaction (:meth:`Indexer.write_in`, called by
+:mod:`bagstore.colocated`).  The others: after an entity's transaction
+commits, the rows for values that went away are deleted and rows for new
+values inserted, grouped per shard, shards in parallel.  These writes are not
+atomic with the entity: a crash between them leaves rows missing or stale,
+which reads tolerate (they re-check) and the Cleaner repairs.  So do two
+writers of one entity when the first one's index changes land after the
+second one's: nothing orders them (docs/consistency.md,
 "Writers of the same entity at once").  Except on unique indexes: a writer
 deletes a unique row only if it was not claimed after its own stamp (nor after
 the replaced body's), and a writer that regains a value, another writer of the
@@ -220,6 +223,27 @@ class Indexer:
         if failpoint is not None:
             testing.hit(failpoint)
         self._run([(ch.index, r, None) for ch in changes for r in ch.insert], "insert")
+
+    @staticmethod
+    def write_in(backend: Backend, cur: Any, changes: Sequence[Change]) -> None:
+        """Delete, then insert, the rows of ``changes`` (of indexes that are not
+        unique) in the transaction of ``cur`` on ``backend``: an entity write's,
+        when the rows live on the entity's shard.  Fenced like :meth:`apply`."""
+        per_index: dict[str, tuple[Index, list[IndexRow], list[IndexRow]]] = {}
+        for ch in changes:  # one statement per index and chunk, not per entity
+            entry = per_index.setdefault(ch.index.table, (ch.index, [], []))
+            entry[1].extend(ch.delete)
+            entry[2].extend(ch.insert)
+        for index, delete, _ in per_index.values():
+            if delete:
+                backend.delete_index_rows(
+                    index.table, index.properties, delete, fenced=True, cur=cur
+                )
+        for index, _, insert in per_index.values():
+            if insert:
+                backend.insert_index_rows(
+                    index.table, index.properties, insert, fenced=True, cur=cur
+                )
 
     def _run(self, items: list[tuple[Index, IndexRow, int | None]], op: str) -> None:
         """Insert (fenced by bucket ownership; unique rows re-stamped) or delete

@@ -22,14 +22,21 @@ A put, in order (docs/consistency.md tells why each step comes where it does):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec, testing
 from bagstore.backends import EntityRow, Stored
-from bagstore.errors import BackendError, BagstoreError, InvalidEntity, ShardTimeout
+from bagstore.colocated import Colocated
+from bagstore.errors import (
+    BackendError,
+    BagstoreError,
+    Conflict,
+    InvalidEntity,
+    ShardTimeout,
+)
 from bagstore.ids import new_id
 from bagstore.indexer import Change, Claim, Indexer
 
@@ -40,7 +47,7 @@ if TYPE_CHECKING:
     from bagstore.sharding.placer import Placer
     from bagstore.sharding.router import Router
 
-__all__ = ["Writes", "check_id"]
+__all__ = ["Writes", "check_id", "conflict"]
 
 
 def check_id(entity_id: object, error: type[BagstoreError]) -> bytes:
@@ -100,7 +107,16 @@ class Writes:
         row = EntityRow(entity_id, bucket, time.time_ns() // 1000, body)
         return row, fresh
 
-    def put(self, entities: list[dict[str, Any]]) -> list[bytes]:
+    def put(
+        self, entities: list[dict[str, Any]], expect: Mapping[bytes, int] | None = None
+    ) -> list[bytes]:
+        """Store entities; with ``expect`` (``{id: version}``, checked by the
+        caller: see :mod:`bagstore.conditional`) only on the shards where every
+        entity has the version expected, raising ``Conflict`` for the rest."""
+        if expect and len(entities) == 1 and self._alone():
+            done = self._update_one(entities[0], expect)
+            if done is not None:
+                return [done]
         prepared = [self.row(e) for e in entities]
         indexes = self.registry().maintained()
         last: dict[bytes, tuple[EntityRow, dict[str, Any]]] = {}
@@ -122,26 +138,80 @@ class Writes:
         # Kinds placed by a shard key: record id -> bucket first; an entity whose
         # key moved it to another bucket is deleted from the old one afterwards.
         prior = self.placer.locate(last) if self.placer.keyed else {}
-        moved = [(i, b) for i, b in prior.items() if b != last[i][0].bucket]
-        self.placer.record(
-            {i: row.bucket for i, (row, _) in last.items() if prior.get(i) != row.bucket}
-        )
-        self.cache.before_write(list(last))
+        # (A move between buckets of one shard rewrites the same row in place.)
+        shard_of = self.router.topology.shard_of_bucket
+        moved = [
+            (i, b)
+            for i, b in prior.items()
+            if b != last[i][0].bucket and shard_of[b] != shard_of[last[i][0].bucket]
+        ]
+        recorded = {
+            i: row.bucket
+            for i, (row, _) in last.items()
+            if self.placer.keyed and prior.get(i) != row.bucket
+        }
+        # A lookup row on the entity's shard goes into its transaction; the
+        # others are written first, as the entity's index rows elsewhere after.
+        ahead = {i: b for i, b in recorded.items() if not self._beside(self.placer.id_bucket(i), b)}
+        self.placer.record(ahead)
+        along = {i: b for i, b in recorded.items() if i not in ahead}
+        together = Colocated(self.router, self.placer, self.kind, indexes)
+        skip = frozenset(i for i, _ in moved)
+        # A conditional put that moves an entity checks its old copy's version.
+        carried = self.versions_at([m for m in moved if m[0] in expect]) if expect and moved else {}
+        if expect is None:
+            self.cache.before_write(list(last))
         testing.hit("put.before_entity")
         # Stamped after the claims: a claim newer than its owner's `updated`
         # marks a write still in flight (see Indexer._claim).
         now = time.time_ns() // 1000
         rows = [replace(row, updated=now) for row, _ in last.values()]
         stamps: dict[bytes, int] = {}  # the `updated` of the rows replaced
+        refused: dict[bytes, int] = {}  # conditional: {id: version found}
+        unwritten: set[bytes] = set()  # conditional: the refused shards' ids
+
+        leases = self.cache.cache is not None  # a shared cache level to lease keys in
+
+        def write(backend: Backend, part: list[EntityRow]) -> dict[bytes, bytes]:
+            ids = [r.id for r in part]
+            within = together.within(
+                backend,
+                ids,
+                new_rows,
+                skip=skip,
+                lookups=along,
+                # a conditional put's cache lease: once its conditions held
+                before=None
+                if expect is None or not leases
+                else lambda: self.cache.before_write(ids),
+            )
+            if expect is None:
+                return backend.put_entities(
+                    self.kind,
+                    part,
+                    read_old=bool(indexes),
+                    versions=versions,
+                    stamps=stamps,
+                    within=within,
+                )
+            old = backend.put_entities(
+                self.kind,
+                part,
+                read_old=bool(indexes),
+                versions=versions,
+                stamps=stamps,
+                expect={i: expect[i] for i in ids if i in expect},
+                carried={i: carried[i] for i in ids if i in carried},
+                refused=refused,
+                within=within,
+            )
+            if any(i in refused for i in ids):
+                unwritten.update(ids)
+            return old
+
         try:
             versions: dict[bytes, int] = {}  # new versions, for the cache's markers
-            olds = self.router.by_bucket(
-                rows,
-                lambda r: r.bucket,
-                lambda b, part: b.put_entities(
-                    self.kind, part, read_old=bool(indexes), versions=versions, stamps=stamps
-                ),
-            )
+            olds = self.router.by_bucket(rows, lambda r: r.bucket, write)
         except Exception as exc:
             # Some shards may have committed: give back only the claims whose
             # entity does not hold the value now.  Not after a timeout (reading
@@ -151,6 +221,12 @@ class Writes:
                 with suppress(BackendError):
                     self.indexer.release_unheld(claimed)
             raise
+        self.placer.remember(together.recorded)
+        self.placer.record(together.late)  # lookup rows whose bucket moved meanwhile
+        if unwritten:
+            claimed = self._undo(unwritten, claimed, ahead, prior)
+            rows = [r for r in rows if r.id not in unwritten]
+            moved = [m for m in moved if m[0] not in unwritten]
         old_bodies: dict[bytes, bytes] = {}
         for part in olds:
             old_bodies.update(part)
@@ -171,11 +247,14 @@ class Writes:
             # re-stamps the row after its commit (Indexer.apply;
             # docs/consistency.md, "Writers of the same entity at once").
             made = {c.row: c.at for c in claimed}
-            changes: list[Change] = []
+            changes: list[Change] = []  # every row changed, for the cache
+            rest: list[Change] = []  # those not written in the entity's transaction
             for entity_id in last:
+                if entity_id in unwritten:
+                    continue
                 body = old_bodies.get(entity_id)
                 old = codec.decode(body) if body is not None else None
-                changes += Indexer.diff(
+                mine = Indexer.diff(
                     indexes,
                     new_rows[entity_id],
                     old,
@@ -185,32 +264,111 @@ class Writes:
                     old_stamp=stamps.get(entity_id),
                     made=made,
                 )
-            self.indexer.apply(changes, failpoint="put.after_index_delete")
+                changes += mine
+                rest += together.rest(mine, entity_id)
+            self.indexer.apply(rest, failpoint="put.after_index_delete")
             self.cache.rows_written(changes, claimed, self.registry())
         for entity, (row, fresh) in zip(entities, prepared, strict=True):
-            if fresh:
+            if fresh and row.id not in unwritten:
                 entity["id"] = row.id
+        if unwritten:
+            raise conflict(refused, [r.id for r in rows], "put")
         return [row.id for row, _ in prepared]
 
-    def delete(self, ids: list[bytes]) -> int:
+    def _alone(self) -> bool:
+        """Whether an entity's write is its row alone: no index to maintain, no
+        lookup row, no shared cache level to lease keys in."""
+        return (
+            not self.placer.keyed and self.cache.cache is None and not self.registry().maintained()
+        )
+
+    def _update_one(self, entity: dict[str, Any], expect: Mapping[bytes, int]) -> bytes | None:
+        """A conditional put of one existing entity that is its row alone: one
+        fenced ``UPDATE ... WHERE version = expected``.  None if it changed
+        nothing (then the whole write path finds out why: a conflict, a moved
+        bucket)."""
+        row, fresh = self.row(entity)
+        expected = expect.get(row.id, 0)
+        if fresh or expected <= 0:
+            return None
+        row = replace(row, updated=time.time_ns() // 1000)
+        versions: dict[bytes, int] = {}
+        backend = self.router.topology.backend_of(row.bucket)
+        testing.hit("put.before_entity")
+        if not backend.update_if(self.kind, row, expected, versions, moves=False):
+            return None
+        testing.hit("put.after_entity")
+        self.cache.puts_committed([row], versions, self.fetch_many)
+        return row.id
+
+    def _beside(self, bucket: int, other: int) -> bool:
+        """Whether two buckets are on one shard (by this process's placement)."""
+        shard_of = self.router.topology.shard_of_bucket
+        return shard_of[bucket] == shard_of[other]
+
+    def _undo(
+        self,
+        unwritten: set[bytes],
+        claimed: list[Claim],
+        recorded: Mapping[bytes, int],
+        prior: Mapping[bytes, int],
+    ) -> list[Claim]:
+        """After a conditional put refused on some shards: give back the unique
+        values its unwritten entities claimed and their lookup rows; return
+        the claims of the entities written."""
+        self.indexer.release([c for c in claimed if c.row.entity_id in unwritten])
+        back = {i: prior[i] for i in recorded if i in unwritten and i in prior}
+        self.placer.record(back)
+        self.placer.forget([i for i in recorded if i in unwritten and i not in prior])
+        return [c for c in claimed if c.row.entity_id not in unwritten]
+
+    def versions_at(self, located: list[tuple[bytes, int]]) -> dict[bytes, int]:
+        """``{id: version}`` of ``(id, bucket)`` entities found there, read with
+        their rows locked (a write still committing is waited for)."""
+
+        def work(backend: Backend, part: list[tuple[bytes, int]]) -> dict[bytes, Stored]:
+            return backend.read_locked(self.kind, [i for i, _ in part], [b for _, b in part])
+
+        out: dict[bytes, int] = {}
+        for found in self.router.by_bucket(located, lambda item: item[1], work):
+            out.update({i: s.version for i, s in found.items()})
+        return out
+
+    def delete(self, ids: list[bytes], expect: Mapping[bytes, int] | None = None) -> int:
+        """Delete entities; with ``expect`` (``{id: version}``) only on the
+        shards where every one has the version expected (``Conflict``)."""
         indexes = self.registry().maintained()
         where = {i: b for b, part in self.placer.group(ids).items() for i in part}
         versions: dict[bytes, int] = {}
         stamps: dict[bytes, int] = {}  # the deleted rows' `updated` (see put)
-        self.cache.before_write(list(where))
+        refused: dict[bytes, int] = {}
+        unwritten: set[bytes] = set()
+        if expect is None:
+            self.cache.before_write(list(where))
+        else:  # an id found nowhere has no version
+            refused.update({i: 0 for i, v in expect.items() if i not in where and v != 0})
         now = time.time_ns() // 1000  # this delete's stamp (see put's unique rows)
+        together = Colocated(self.router, self.placer, self.kind, indexes)
         found = self.delete_at(
-            list(where.items()), read_old=bool(indexes), versions=versions, stamps=stamps
+            list(where.items()),
+            read_old=bool(indexes),
+            versions=versions,
+            stamps=stamps,
+            expect=expect,
+            refused=refused,
+            unwritten=unwritten,
+            together=together,
         )
-        self.placer.forget(list(where))
+        self.placer.forget([i for i in where if i not in unwritten])
         if found:
             testing.hit("delete.after_entity")
         self.cache.deletes_committed(versions)
         if indexes:
             changes: list[Change] = []
+            rest: list[Change] = []
             for entity_id, body in found.items():
                 old = codec.decode(body) if body is not None else None
-                changes += Indexer.diff(
+                mine = Indexer.diff(
                     indexes,
                     {},
                     old,
@@ -219,8 +377,12 @@ class Writes:
                     stamp=now,
                     old_stamp=stamps.get(entity_id),
                 )
-            self.indexer.apply(changes)
+                changes += mine
+                rest += together.rest(mine, entity_id)
+            self.indexer.apply(rest)
             self.cache.rows_written(changes, (), self.registry())
+        if refused:
+            raise conflict(refused, list(found), "delete")
         return len(found)
 
     def delete_at(
@@ -231,23 +393,71 @@ class Writes:
         versions: dict[bytes, int] | None = None,
         stamps: dict[bytes, int] | None = None,
         record: bool = True,
+        expect: Mapping[bytes, int] | None = None,
+        refused: dict[bytes, int] | None = None,
+        unwritten: set[bytes] | None = None,
+        together: Colocated | None = None,
     ) -> dict[bytes, bytes | None]:
         """Delete ``(id, bucket)`` entities (fenced); ``{id: old body}`` of those found
         (and their versions into ``versions``, their ``updated`` into ``stamps``,
-        if given); ``record=False``: no change in the change feed."""
+        if given).  With ``expect``: a shard where an id has another version
+        deletes nothing (``refused`` gets ``{id: found}``, ``unwritten`` the
+        shard's ids), and the cache's lease is taken only where the
+        conditions held.  ``together``: the index rows on each entity's shard
+        are deleted in its transaction (see :mod:`bagstore.colocated`).
+        ``record=False``: no change in the change feed."""
 
         def work(backend: Backend, part: list[tuple[bytes, int]]) -> dict[bytes, bytes | None]:
-            return backend.delete_entities(
+            ids = [i for i, _ in part]
+            lease = None if expect is None else lambda: self.cache.before_write(ids)
+            within = None
+            if together is not None:
+                within = together.within(backend, ids, None, before=lease)
+            elif lease is not None:
+                within = lambda cur, old: lease()  # noqa: E731
+            if expect is None:
+                return backend.delete_entities(
+                    self.kind,
+                    ids,
+                    [b for _, b in part],
+                    read_old=read_old,
+                    versions=versions,
+                    stamps=stamps,
+                    record=record,
+                    within=within,
+                )
+            assert refused is not None and unwritten is not None
+            found = backend.delete_entities(
                 self.kind,
-                [i for i, _ in part],
+                ids,
                 [b for _, b in part],
                 read_old=read_old,
                 versions=versions,
                 stamps=stamps,
                 record=record,
+                expect={i: expect[i] for i in ids if i in expect},
+                refused=refused,
+                within=within,
             )
+            if any(i in refused for i in ids):
+                unwritten.update(ids)
+            return found
 
         found: dict[bytes, bytes | None] = {}
         for part in self.router.by_bucket(located, lambda item: item[1], work):
             found.update(part)
         return found
+
+
+def conflict(refused: Mapping[bytes, int], written: list[bytes], what: str) -> Conflict:
+    """The ``Conflict`` of a conditional write refused for ``refused``."""
+    first = min(refused)
+    more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+    return Conflict(
+        f"conditional {what} refused: entity {first.hex()} is at version {refused[first]}"
+        f"{' (absent)' if refused[first] == 0 else ''}{more}; {len(written)} written",
+        id=first,
+        found=refused[first],
+        refused=dict(refused),
+        written=written,
+    )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, TypeVar
@@ -24,6 +24,7 @@ from bagstore.backends.buckets import BucketOps, ownership_error
 from bagstore.backends.changesql import ensure_change_tables, skip_sql
 from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
 from bagstore.errors import BackendError, BagstoreError, ConfigurationError, ShardUnavailable
+from bagstore.versions import clock, next_version
 
 __all__ = [
     "ENTITY_COLUMNS",
@@ -33,6 +34,7 @@ __all__ = [
     "Dialect",
     "EntityRow",
     "Stored",
+    "Within",
     "check_identifier",
     "read_bodies_together",
     "translate_errors",
@@ -44,6 +46,10 @@ IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 ENTITY_COLUMNS = frozenset({"added_id", "id", "bucket", "updated", "version", "body"})
 
 T = TypeVar("T")
+
+#: ``within(cursor, {id: old body or None})``: work run inside an entity
+#: write's transaction (see :meth:`Backend.put_entities`).
+Within = Callable[[Any, "dict[bytes, bytes | None]"], None]
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +136,12 @@ class Dialect:
         """A secondary index created with its table (SQLite) or after it."""
         raise NotImplementedError
 
-    def locked_read_sql(self, kind: str, buckets: int, ids: int) -> str:
+    def locked_read_sql(self, kind: str, buckets: int, ids: int, bodies: bool = True) -> str:
         """For a write transaction, one statement: the ownership rows of
         ``buckets`` buckets, share-locked until the transaction ends, as
         ``(bucket, state, NULL, NULL, NULL, NULL)``; then the rows of ``ids``
-        ids, locked for update, as ``(NULL, NULL, id, body, version, updated)``."""
+        ids, locked for update, as ``(NULL, NULL, id, body, version, updated)``
+        (the body NULL unless ``bodies``)."""
         parts = []
         if buckets:
             parts.append(
@@ -143,7 +150,8 @@ class Dialect:
             )
         if ids:
             parts.append(
-                f"SELECT NULL, NULL, id, body, version, updated FROM {self.q(kind)} "
+                f"SELECT NULL, NULL, id, {'body' if bodies else 'NULL'}, version, updated "
+                f"FROM {self.q(kind)} "
                 f"WHERE id IN ({self.params(ids)})" + self.for_update
             )
         return self.union_all_sql(parts)
@@ -185,10 +193,6 @@ class Dialect:
             f"JOIN bagstore_owned o ON o.bucket = v.{bucket} AND o.state = 0"
         )
 
-    def fenced_upsert_sql(self, kind: str) -> str:
-        """Upsert one entity only if this shard owns its bucket (0 rows if not)."""
-        raise NotImplementedError
-
     def copy_entities_sql(self, kind: str, rows: int) -> str:
         """Upsert rows ``(id, bucket, updated, version, body)`` keeping their version."""
         raise NotImplementedError
@@ -198,7 +202,45 @@ class Dialect:
         raise NotImplementedError
 
     def upsert_entities_sql(self, kind: str, rows: int) -> str:
+        """Upsert rows ``(id, bucket, updated, body)``, counting ``version`` up
+        by one (a hand-written writer's statement: the benchmarks' raw side)."""
         raise NotImplementedError
+
+    def write_entities_sql(self, kind: str, rows: int) -> str:
+        """Upsert rows ``(id, bucket, updated, version, body)``; a row that
+        exists gets the larger of its version + 1 and the one given (bagstore's
+        writes: see :mod:`bagstore.versions`)."""
+        raise NotImplementedError
+
+    def put_one_sql(self, kind: str) -> str | None:
+        """One statement that upserts one entity ``(id, bucket, updated, body)``
+        if this shard owns its bucket (parameters: those, then the bucket) and
+        returns its new version, the clock read under the row's lock (see
+        :mod:`bagstore.versions`); None where no statement can (then a
+        transaction does it)."""
+        return None
+
+    def conditional_update_sql(self, kind: str, moves: bool) -> str:
+        """Replace one row's ``updated, version, body`` (and ``bucket`` first
+        if ``moves``) only if its id has the version given and this shard owns
+        the bucket (share-locked, as a fenced insert's): parameters ``[bucket,]
+        updated, version, body, id, expected version, bucket``.  (An indexed
+        column left out of the SET costs nothing.)"""
+        p = self.param
+        return (
+            f"UPDATE {self.q(kind)} SET {f'bucket = {p}, ' if moves else ''}updated = {p}, "
+            f"version = {p}, body = {p} WHERE id = {p} AND version = {p} AND EXISTS "
+            f"(SELECT 1 FROM bagstore_owned WHERE bucket = {p} AND state = 0{self.share_lock})"
+        )
+
+    def version_type_sql(self) -> str | None:
+        """The type of a table's ``version`` column (the table named by the one
+        parameter), where older stores made it too narrow for
+        :mod:`bagstore.versions`; None where every integer column is wide."""
+        return None
+
+    def widen_version_sql(self, kind: str) -> list[str]:
+        return []
 
     def select_bodies_sql(
         self,
@@ -561,7 +603,22 @@ class Backend(BucketOps, IndexOps):
                 self._check_entities_table(kind)
                 self._executescript(self.dialect.create_entities_sql(kind))
                 self._check_entities_table(kind)
+                self._widen_version(kind)
                 self._ready_kinds.add(kind)
+
+    def _widen_version(self, kind: str) -> None:
+        """Give a table made by an older bagstore a ``version`` column wide
+        enough for :mod:`bagstore.versions` (MySQL: INT to BIGINT, which
+        rebuilds the table once)."""
+        sql = self.dialect.version_type_sql()
+        if sql is None:
+            return
+        rows = self.fetchall(sql, [kind])
+        found = rows[0][0] if rows else None
+        found = found.decode() if isinstance(found, bytes) else found
+        if found is not None and str(found).lower() != "bigint":
+            log.warning("shard %s: widening %s.version to BIGINT (once)", self.name, kind)
+            self._executescript(self.dialect.widen_version_sql(kind))
 
     def _check_entities_table(self, kind: str) -> None:
         columns = self.table_columns(kind)
@@ -614,61 +671,140 @@ class Backend(BucketOps, IndexOps):
         read_old: bool,
         versions: dict[bytes, int] | None = None,
         stamps: dict[bytes, int] | None = None,
+        expect: Mapping[bytes, int] | None = None,
+        carried: Mapping[bytes, int] | None = None,
+        refused: dict[bytes, int] | None = None,
+        within: Within | None = None,
     ) -> dict[bytes, bytes]:
         """Upsert rows in one transaction; with ``read_old`` return the bodies
-        they replaced (read in the same transaction, rows locked).  With
-        ``read_old``, ``versions`` (if given) is filled with each row's new
-        version (the one read + 1, or 1), for the cache's markers, and
-        ``stamps`` (if given) with the ``updated`` of each row replaced."""
+        they replaced (read in the same transaction, rows locked).
+        ``versions`` (if given) is filled with each row's new version
+        (:func:`bagstore.versions.next_version` of the one read under the
+        row's lock), and ``stamps`` (if given) with the ``updated`` of each
+        row replaced.
+
+        Conditional writes: ``expect`` maps ids to the version each must have
+        (0: no row); ``carried`` the version of an entity's copy in another
+        bucket (a put that moves it there), taken as found when this shard has
+        no row of the id.  If any row's condition fails, nothing is written:
+        ``refused`` (required with ``expect``) gets ``{id: version found}`` of
+        the rows that failed and ``{}`` is returned.  ``within(cursor, old)``,
+        if given, runs in the transaction after the upsert (``old``: ``{id:
+        replaced body or None}``, the bodies only with ``read_old``)."""
+
+        one = rows[0] if len(rows) == 1 else None
+        alone = one is not None and not (read_old or expect or carried or within)
+        if alone and self._put_one(kind, rows[0], versions):
+            return {}
+        if (
+            one is not None
+            and expect
+            and expect.get(one.id, 0) > 0
+            and not (read_old or carried or within)
+            and self.update_if(kind, one, expect[one.id], versions)
+        ):
+            return {}  # one statement did it (else: the transaction finds out why not)
 
         def work(conn: Any) -> dict[bytes, bytes]:
-            if not read_old and len(rows) == 1:
-                # One statement that checks ownership and upserts: no BEGIN/COMMIT.
-                r = rows[0]
-                cur = conn.cursor()
-                try:
-                    cur.execute(
-                        self.sql("fenced_upsert_sql", kind),
-                        [r.id, r.bucket, r.updated, r.body, r.bucket],
-                    )
-                    written = cur.rowcount
-                finally:
-                    cur.close()
-                if written == 0:
-                    self.check_owned([r.bucket])
-                return {}
             old: dict[bytes, bytes] = {}
+            found: dict[bytes, int] = {}
             with self.transaction(conn) as cur:
-                ids = [r.id for r in rows] if read_old else []
-                for found in self._locked_read(cur, kind, [r.bucket for r in rows], ids):
-                    old[found[0]] = found[1]
-                    if versions is not None:
-                        versions[found[0]] = found[2] + 1
+                ids = [r.id for r in rows]
+                for r in self._locked_read(cur, kind, [r.bucket for r in rows], ids, read_old):
+                    found[r[0]] = r[2]
+                    if read_old:
+                        old[r[0]] = r[1]
                     if stamps is not None:
-                        stamps[found[0]] = found[3]
-                if read_old and versions is not None:
-                    for r in rows:
-                        versions.setdefault(r.id, 1)
+                        stamps[r[0]] = r[3]
+                if carried:
+                    found = {**{i: v for i, v in carried.items() if i in ids}, **found}
+                if expect:
+                    failed = {i: found.get(i, 0) for i, v in expect.items() if found.get(i, 0) != v}
+                    if failed:
+                        assert refused is not None, "expect needs refused"
+                        refused.update(failed)
+                        return {}
+                # The clock is read with the rows locked (bagstore.versions).
+                new = {r.id: next_version(found.get(r.id)) for r in rows}
                 for chunk in self._chunks(rows):
-                    cur.execute(self.sql("upsert_entities_sql", kind, len(chunk)), _flatten(chunk))
+                    cur.execute(
+                        self.sql("write_entities_sql", kind, len(chunk)), _flatten(chunk, new)
+                    )
+                if within is not None:
+                    within(cur, {i: old.get(i) for i in ids})
+            if versions is not None:
+                versions.update(new)
             return old
 
         return self.run(work)
 
+    def _put_one(self, kind: str, row: EntityRow, versions: dict[bytes, int] | None) -> bool:
+        """One entity in one statement, where the dialect has one; False if it
+        has none (or the bucket came back to this shard meanwhile)."""
+        sql = self.sql("put_one_sql", kind)
+        if sql is None:
+            return False
+
+        def work(conn: Any) -> Any:
+            cur = conn.cursor()
+            try:
+                cur.execute(sql, [row.id, row.bucket, row.updated, row.body, row.bucket])
+                return cur.fetchone()
+            finally:
+                cur.close()
+
+        found = self.run(work)
+        if found is None:  # the bucket is not owned here (or is frozen)
+            self.check_owned([row.bucket])
+            return False
+        if versions is not None:
+            versions[row.id] = int(found[0])
+        return True
+
+    def update_if(
+        self,
+        kind: str,
+        row: EntityRow,
+        expected: int,
+        versions: dict[bytes, int] | None,
+        *,
+        moves: bool = True,
+    ) -> bool:
+        """A conditional write of one existing row that needs nothing else in
+        its transaction: one ``UPDATE ... WHERE version = expected`` (its new
+        version above the one it replaces, whatever the clock says).  False if
+        it changed nothing (another version, no row, or a bucket not owned).
+        ``moves=False``: the row's bucket is the one it has (placed by its id)."""
+        new = max(expected + 1, clock())
+        params = [row.updated, new, row.body, row.id, expected, row.bucket]
+        if moves:
+            params.insert(0, row.bucket)
+        if self.execute(self.sql("conditional_update_sql", kind, moves), params) != 1:
+            return False
+        if versions is not None:
+            versions[row.id] = new
+        return True
+
     def _locked_read(
-        self, cur: Any, kind: str, buckets: Sequence[int], ids: Sequence[bytes]
+        self,
+        cur: Any,
+        kind: str,
+        buckets: Sequence[int],
+        ids: Sequence[bytes],
+        bodies: bool = True,
     ) -> list[tuple[Any, ...]]:
         """Inside a write transaction: lock the buckets' ownership rows (shared)
         and raise unless this shard owns them all; lock the rows of ``ids`` and
-        return them as ``(id, body, version, updated)``.  One statement for up to
-        1,000 buckets and 1,000 ids."""
+        return them as ``(id, body, version, updated)`` (the body None unless
+        ``bodies``).  One statement for up to 1,000 buckets and 1,000 ids."""
         wanted = sorted(set(buckets))
         states: dict[int, int] = {}
         found: list[tuple[Any, ...]] = []
         for start in range(0, max(len(wanted), len(ids)), 1000):
             some = wanted[start : start + 1000]
             part = ids[start : start + 1000]
-            cur.execute(self.sql("locked_read_sql", kind, len(some), len(part)), [*some, *part])
+            sql = self.sql("locked_read_sql", kind, len(some), len(part), bodies)
+            cur.execute(sql, [*some, *part])
             # int(): a UNION of NULL and an integer column may come back as
             # DECIMAL (MariaDB does so for INT UNSIGNED).
             for r in cur.fetchall():
@@ -691,23 +827,36 @@ class Backend(BucketOps, IndexOps):
         versions: dict[bytes, int] | None = None,
         stamps: dict[bytes, int] | None = None,
         record: bool = True,
+        expect: Mapping[bytes, int] | None = None,
+        refused: dict[bytes, int] | None = None,
+        within: Within | None = None,
     ) -> dict[bytes, bytes | None]:
         """Delete ids (of ``buckets``, which this shard must own); return ``{id:
         old body}`` of those that existed (the body is ``None`` unless ``read_old``).
         ``versions`` (if given) is filled with the deleted rows' versions, and
-        ``stamps`` (if given) with their ``updated``.  Without ``record``, the
-        deletes leave no change in the kind's change feed (an entity moved to
-        another bucket: its put is the change; see backends/changesql.py)."""
+        ``stamps`` (if given) with their ``updated``.  ``expect``, ``refused``
+        and ``within`` as for :meth:`put_entities` (a failed condition deletes
+        nothing on this shard).  Without ``record``, the deletes leave no
+        change in the kind's change feed (an entity moved to another bucket:
+        its put is the change; see backends/changesql.py)."""
 
         def work(conn: Any) -> dict[bytes, bytes | None]:
             with self.transaction(conn) as cur:
                 found: dict[bytes, bytes | None] = {}
-                for r in self._locked_read(cur, kind, buckets, ids):
+                seen: dict[bytes, tuple[int, int]] = {}
+                for r in self._locked_read(cur, kind, buckets, ids, read_old):
                     found[r[0]] = r[1] if read_old else None
-                    if versions is not None:
-                        versions[r[0]] = r[2]
-                    if stamps is not None:
-                        stamps[r[0]] = r[3]
+                    seen[r[0]] = (r[2], r[3])
+                if expect:
+                    failed = {
+                        i: seen[i][0] if i in seen else 0
+                        for i, v in expect.items()
+                        if (seen[i][0] if i in seen else 0) != v
+                    }
+                    if failed:
+                        assert refused is not None, "expect needs refused"
+                        refused.update(failed)
+                        return {}
                 present = list(found)
                 for start in range(0, len(present), 1000):
                     part = present[start : start + 1000]
@@ -717,11 +866,31 @@ class Backend(BucketOps, IndexOps):
                     cur.execute(self.sql("delete_entities_sql", kind, len(part)), part)
                     if not record:
                         cur.execute(skip_sql(self.dialect, len(part), insert=False), [kind, *part])
-                return found
+                if within is not None:
+                    within(cur, found)
+            if versions is not None:
+                versions.update({i: v for i, (v, _) in seen.items()})
+            if stamps is not None:
+                stamps.update({i: u for i, (_, u) in seen.items()})
+            return found
 
         if not ids:
             return {}
         return self.run(work)
+
+    def read_locked(
+        self, kind: str, ids: Sequence[bytes], buckets: Sequence[int]
+    ) -> dict[bytes, Stored]:
+        """``{id: Stored}`` of the ids present, read in a write transaction with
+        their rows locked (of ``buckets``, which this shard must own): a write
+        still committing is waited for, never missed."""
+
+        def work(conn: Any) -> dict[bytes, Stored]:
+            with self.transaction(conn) as cur:
+                rows = self._locked_read(cur, kind, buckets, ids)
+            return {r[0]: Stored(bytes(r[1]), r[2], r[3]) for r in rows}
+
+        return self.run(work) if ids else {}
 
     def scan_entities(
         self, kind: str, after_added_id: int, limit: int
@@ -828,10 +997,10 @@ def _fetchone(conn: Any, sql: str, params: Sequence[Any]) -> Any:
         cur.close()
 
 
-def _flatten(rows: Sequence[EntityRow]) -> list[Any]:
+def _flatten(rows: Sequence[EntityRow], versions: Mapping[bytes, int]) -> list[Any]:
     out: list[Any] = []
     for r in rows:
-        out += (r.id, r.bucket, r.updated, r.body)
+        out += (r.id, r.bucket, r.updated, versions[r.id], r.body)
     return out
 
 

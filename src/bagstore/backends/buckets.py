@@ -48,6 +48,9 @@ class BucketOps:
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         raise NotImplementedError
 
+    def sql(self, builder: str, *args: Any, **kwargs: Any) -> str:
+        raise NotImplementedError
+
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         raise NotImplementedError
 
@@ -102,8 +105,21 @@ class BucketOps:
             out.update({bytes(r[0]): int(r[1]) for r in rows})
         return out
 
-    def record_ids(self, kind: str, rows: Sequence[tuple[bytes, int, int]]) -> None:
-        """Record ``(id, bucket of the id, bucket of the entity)`` rows."""
+    def record_ids(
+        self, kind: str, rows: Sequence[tuple[bytes, int, int]], cur: Any = None
+    ) -> None:
+        """Record ``(id, bucket of the id, bucket of the entity)`` rows (in
+        ``cur``'s transaction if given)."""
+        if cur is not None:
+            sql = self.sql(
+                "upsert_sql",
+                "bagstore_ids",
+                ("kind", "entity_id"),
+                ("bagstore_bucket", "entity_bucket"),
+            )
+            for entity_id, id_bucket, entity_bucket in rows:
+                cur.execute(sql, [kind, entity_id, id_bucket, entity_bucket])
+            return
         for entity_id, id_bucket, entity_bucket in rows:
             self.upsert(
                 "bagstore_ids",

@@ -310,6 +310,14 @@ class IndexOps:
         self._executescript([f"DROP TABLE IF EXISTS {self.dialect.q(table)}"])
         return True
 
+    def _run_on(self, cur: Any, sql: str, params: Sequence[Any]) -> int:
+        """One statement on ``cur`` (in its transaction), or on its own if None;
+        its row count."""
+        if cur is None:
+            return self.execute(sql, params)
+        cur.execute(sql, params)
+        return int(cur.rowcount)
+
     def insert_index_rows(
         self,
         table: str,
@@ -318,11 +326,13 @@ class IndexOps:
         *,
         claimed: int | None = None,
         fenced: bool = False,
+        cur: Any = None,
     ) -> int:
         """Insert rows, leaving existing ones alone; ``claimed`` (the time) for a
         unique index's rows.  With ``fenced``, only rows of buckets this shard
         owns are written, and StalePlacement / KeyMigrating is raised if any
-        bucket is not owned."""
+        bucket is not owned.  ``cur``: run in that cursor's transaction (an
+        entity write's, see ``Backend.put_entities``)."""
         cols = (*columns, ENTITY_ID, BUCKET) + ((CLAIMED,) if claimed is not None else ())
         extra = (claimed,) if claimed is not None else ()
         written = 0
@@ -339,7 +349,7 @@ class IndexOps:
                 for r in chunk
                 for v in (*r.keys, r.entity_id, r.bucket, *extra, *((r.bucket,) if again else ()))
             ]
-            n = self.execute(sql, params)
+            n = self._run_on(cur, sql, params)
             if fenced and n < len(chunk):  # duplicates, or buckets not owned here
                 self.check_owned([r.bucket for r in chunk])
             written += n
@@ -353,13 +363,15 @@ class IndexOps:
         *,
         fenced: bool = False,
         claimed_at_most: Sequence[int] | None = None,
+        cur: Any = None,
     ) -> int:
         """Delete rows; with ``fenced``, only rows of buckets this shard owns, and
         StalePlacement / KeyMigrating is raised if a bucket is not owned (a writer
         with a stale placement must not delete on a shard that has let the bucket
         go: the owner would keep the row).  ``claimed_at_most`` (a unique index's
         rows, one bound per row): a row claimed after its bound stays (it was
-        claimed again by a later writer of its entity)."""
+        claimed again by a later writer of its entity).  ``cur``: as for
+        :meth:`insert_index_rows`."""
         removed = 0
         bounded = claimed_at_most is not None
         for start in range(0, len(rows), 200):
@@ -373,7 +385,7 @@ class IndexOps:
                 for k, r in enumerate(chunk)
                 for v in (*r.keys, r.entity_id, *((bounds[k],) if bounded else ()))
             ]
-            n = self.execute(sql, params)
+            n = self._run_on(cur, sql, params)
             if fenced and n < len(chunk):  # gone already, or buckets not owned here
                 self.check_owned([r.bucket for r in chunk])
             removed += n

@@ -161,7 +161,7 @@ class MySQLDialect(Dialect):
             " id BINARY(16) NOT NULL,"
             " bucket INT UNSIGNED NOT NULL,"
             " updated BIGINT NOT NULL,"
-            " version INT UNSIGNED NOT NULL DEFAULT 1,"
+            " version BIGINT UNSIGNED NOT NULL DEFAULT 1,"
             " body MEDIUMBLOB NOT NULL,"
             " PRIMARY KEY (added_id),"
             " UNIQUE KEY id (id),"
@@ -194,22 +194,29 @@ class MySQLDialect(Dialect):
             sql += f" ON DUPLICATE KEY UPDATE {first} = {first}"
         return sql
 
-    def fenced_upsert_sql(self, kind: str) -> str:
-        # INSERT ... SELECT share-locks the ownership row, so a move's freeze
-        # waits for this write and the next write sees the frozen state.
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) "
-            "SELECT %s, %s, %s, 1, %s FROM bagstore_owned WHERE bucket = %s AND state = 0 "
-            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
-            "version = version + 1, body = VALUES(body)"
-        )
-
     def copy_entities_sql(self, kind: str, rows: int) -> str:
         values = ", ".join(["(%s, %s, %s, %s, %s)"] * rows)
         return (
             f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
             "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
             "version = VALUES(version), body = VALUES(body)"
+        )
+
+    def version_type_sql(self) -> str | None:
+        return (
+            "SELECT data_type FROM information_schema.columns WHERE table_schema = DATABASE() "
+            "AND table_name = %s AND column_name = 'version'"
+        )
+
+    def widen_version_sql(self, kind: str) -> list[str]:
+        return [f"ALTER TABLE {self.q(kind)} MODIFY version BIGINT UNSIGNED NOT NULL DEFAULT 1"]
+
+    def write_entities_sql(self, kind: str, rows: int) -> str:
+        values = ", ".join(["(%s, %s, %s, %s, %s)"] * rows)
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
+            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
+            "version = GREATEST(version + 1, VALUES(version)), body = VALUES(body)"
         )
 
     def upsert_entities_sql(self, kind: str, rows: int) -> str:

@@ -43,6 +43,7 @@ from bagstore.errors import (
     ShardTimeout,
     ShardUnavailable,
 )
+from bagstore.versions import clock
 
 __all__ = ["SQLiteBackend", "SQLiteDialect", "has_wal_reset_bug", "wal_reset_advice"]
 
@@ -178,20 +179,35 @@ class SQLiteDialect(Dialect):
         verb = "INSERT OR IGNORE" if ignore else "INSERT"
         return f"{verb} INTO {self.q(table)} ({cols}) {self._fenced_select(columns, rows)}"
 
-    def fenced_upsert_sql(self, kind: str) -> str:
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) "
-            "SELECT ?, ?, ?, 1, ? FROM bagstore_owned WHERE bucket = ? AND state = 0 "
-            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
-            "updated = excluded.updated, version = version + 1, body = excluded.body"
-        )
-
     def copy_entities_sql(self, kind: str, rows: int) -> str:
         values = ", ".join(["(?, ?, ?, ?, ?)"] * rows)
         return (
             f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
             "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
             "updated = excluded.updated, version = excluded.version, body = excluded.body"
+        )
+
+    def put_one_sql(self, kind: str) -> str | None:
+        # The version's clock is read inside the statement, under the file's
+        # write lock (taken before anything is evaluated): after every write
+        # and delete of the id that came before (bagstore.versions).
+        if sqlite3.sqlite_version_info < (3, 35, 0):  # no RETURNING
+            return None
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) "
+            "SELECT ?, ?, ?, bagstore_clock(), ? FROM bagstore_owned "
+            "WHERE bucket = ? AND state = 0 "
+            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, updated = excluded.updated, "
+            "version = MAX(version + 1, excluded.version), body = excluded.body RETURNING version"
+        )
+
+    def write_entities_sql(self, kind: str, rows: int) -> str:
+        values = ", ".join(["(?, ?, ?, ?, ?)"] * rows)
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
+            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
+            "updated = excluded.updated, version = MAX(version + 1, excluded.version), "
+            "body = excluded.body"
         )
 
     def upsert_entities_sql(self, kind: str, rows: int) -> str:
@@ -370,6 +386,7 @@ class SQLiteBackend(Backend):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         conn.execute("PRAGMA busy_timeout=0")  # bagstore waits for locks itself (see run)
+        conn.create_function("bagstore_clock", 0, clock)  # see SQLiteDialect.put_one_sql
         with self._lock:
             self._all.append(conn)
         return conn

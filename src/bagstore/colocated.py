@@ -1,0 +1,148 @@
+"""One commit when the rows live together: index rows and lookup rows written
+in the entity's own transaction.
+
+An entity's index rows live on the shard that owns the bucket of their
+``shard_on`` value, and a kind placed by a shard key keeps an ``id -> bucket``
+lookup row on the bucket of the id's hash.  When such a row lives on the same
+shard as the entity (every row of a one-shard store; every row of an index
+whose ``shard_on`` is the property the kind is placed by, since both are the
+key's bucket), the write path writes it inside the transaction that writes
+the entity (:meth:`bagstore.backends.Backend.put_entities`' ``within``): the
+entity and those rows commit together or not at all.  Rows on other shards
+are written as before, after the commit (docs/consistency.md).  Unique
+indexes keep their claims (made before the entity) and are never written
+here.
+
+    >>> import bagstore, tempfile
+    >>> by_user = bagstore.Index(table="posts_by_user", properties=["user_id"])
+    >>> ds = bagstore.open(tempfile.mkdtemp(), kind="posts", shard_key="user_id",
+    ...                    indexes=[by_user])
+    >>> ds.status()["index_writes"]["posts_by_user"]
+    'atomic'
+    >>> ds.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from bagstore import codec
+from bagstore.indexer import Change, Indexer
+
+if TYPE_CHECKING:
+    from bagstore.backends import Backend
+    from bagstore.backends.indexsql import IndexRow
+    from bagstore.index import Index
+    from bagstore.sharding.placer import Placer
+    from bagstore.sharding.router import Router
+
+__all__ = ["AFTER", "ATOMIC", "PARTLY", "Colocated", "atomicity"]
+
+#: How an index's rows are written relative to their entity (``status()``).
+ATOMIC = "atomic"
+PARTLY = "atomic where a row's bucket is on the entity's shard, else after the entity"
+AFTER = "after the entity"
+
+
+def atomicity(indexes: Sequence[Index], shard_key: str | None, one_shard: bool) -> dict[str, str]:
+    """``{table: ATOMIC | PARTLY | AFTER}``: which indexes are written in their
+    entity's transaction."""
+    out: dict[str, str] = {}
+    for index in indexes:
+        if index.unique:
+            out[index.table] = AFTER + " (unique: claimed before the entity)"
+        elif one_shard or (shard_key is not None and index.shard_on == shard_key):
+            out[index.table] = ATOMIC
+        else:
+            out[index.table] = PARTLY
+    return out
+
+
+class Colocated:
+    """The part of one put's (or delete's) rows written in its entities'
+    transactions, shard by shard; what was written there is kept so that the
+    rest can be applied after the commits."""
+
+    def __init__(self, router: Router, placer: Placer, kind: str, plain: Sequence[Index]) -> None:
+        self.router = router
+        self.placer = placer
+        self.kind = kind
+        #: the indexes written here: those that are not unique
+        self.plain = [i for i in plain if not i.unique]
+        #: ``{entity id: index rows written in its transaction}``
+        self.inside: dict[bytes, set[IndexRow]] = {}
+        #: lookup rows written in a transaction, and those left for after
+        self.recorded: dict[bytes, int] = {}
+        self.late: dict[bytes, int] = {}
+
+    def within(
+        self,
+        backend: Backend,
+        ids: Sequence[bytes],
+        new_rows: Mapping[bytes, Mapping[str, set[IndexRow]]] | None,
+        *,
+        skip: frozenset[bytes] = frozenset(),
+        lookups: Mapping[bytes, int] | None = None,
+        before: Callable[[], None] | None = None,
+    ) -> Callable[[Any, dict[bytes, bytes | None]], None] | None:
+        """The ``within`` of the transaction writing ``ids`` on ``backend``:
+        ``new_rows`` their new index rows (None: a delete), ``skip`` ids whose
+        old body is not in this transaction (moved from another shard),
+        ``lookups`` the lookup rows ``{id: entity bucket}`` to write,
+        ``before`` run first (the cache's lease of a conditional write).
+        None when there is nothing to do there."""
+        if not self.plain and before is None and not (lookups and any(i in lookups for i in ids)):
+            return None
+
+        def run(cur: Any, old: dict[bytes, bytes | None]) -> None:
+            if before is not None:
+                before()
+            topology = self.router.topology
+            shard_of, backends = topology.shard_of_bucket, topology.backends
+
+            def here(bucket: int) -> bool:
+                return backends[shard_of[bucket]] is backend
+
+            for i in ids:  # a transaction run again (retried, or on another shard)
+                self.recorded.pop(i, None)
+                self.late.pop(i, None)
+            if lookups:
+                rows = [(i, self.placer.id_bucket(i), lookups[i]) for i in ids if i in lookups]
+                mine = [r for r in rows if here(r[1])]
+                if mine:
+                    backend.record_ids(self.kind, mine, cur=cur)
+                self.recorded.update({r[0]: r[2] for r in mine})
+                self.late.update({r[0]: r[2] for r in rows if not here(r[1])})
+            if not self.plain:
+                return
+            changes: list[Change] = []
+            buckets = topology.buckets
+            for i in ids:
+                written: set[IndexRow] = set()
+                if i not in skip:
+                    body = old.get(i)
+                    prev = codec.decode(body) if body is not None else None
+                    new = new_rows[i] if new_rows is not None else {}
+                    for ch in Indexer.diff(self.plain, new, prev, i, buckets):
+                        delete = {r for r in ch.delete if here(r.bucket)}
+                        insert = {r for r in ch.insert if here(r.bucket)}
+                        if delete or insert:
+                            changes.append(Change(ch.index, delete, insert))
+                            written |= delete | insert
+                self.inside[i] = written
+            Indexer.write_in(backend, cur, changes)
+
+        return run
+
+    def rest(self, changes: Sequence[Change], entity_id: bytes) -> list[Change]:
+        """``changes`` of one entity without the rows written in its transaction."""
+        done = self.inside.get(entity_id)
+        if not done:
+            return list(changes)
+        out = []
+        for ch in changes:
+            left = Change(ch.index, ch.delete - done, ch.insert - done, ch.bound)
+            if left.delete or left.insert:
+                out.append(left)
+        return out
