@@ -273,6 +273,9 @@ class Backend(BucketOps, IndexOps):
     max_statement_rows: int = 1000
     #: Index rows per fenced multi-row insert (SQLite caps a compound SELECT at 500).
     index_rows_per_statement: int = 200
+    #: Index rows per statement of a flat-out backfill's inserts (a ``VALUES``
+    #: list; see ``IndexOps.bulk_insert_index_rows``), within ``max_statement_bytes``.
+    bulk_rows_per_statement: int = 1000
 
     def __init__(self, name: str, server: str | None = None) -> None:
         self.name = name
@@ -749,9 +752,14 @@ class Backend(BucketOps, IndexOps):
             (int(r[0]), bytes(r[1]), bytes(r[2]), int(r[3])) for r in self.fetchall(sql, params)
         ]
 
-    def stamps_between(self, kind: str, after: int, last: int) -> dict[bytes, int]:
+    def stamps_between(
+        self, kind: str, after: int, last: int, known: Sequence[tuple[int, bytes, int]] = ()
+    ) -> dict[bytes, int]:
         """``{id: updated}`` of the rows with ``after < added_id <= last``: a
-        range of the primary key, far cheaper than naming the ids."""
+        range of the primary key, far cheaper than naming the ids.  ``known``:
+        ``(added_id, id, updated)`` of the range's rows as a batch read them
+        earlier; a backend may use them to receive only the rows that changed
+        since (the answer is the same)."""
         d = self.dialect
         sql = (
             f"SELECT id, updated FROM {d.q(kind)} "

@@ -226,6 +226,7 @@ class MySQLBackend(Backend):
     dialect = MySQLDialect()
     #: Each statement is a commit (and an fsync): fewer, larger ones fill faster.
     index_rows_per_statement = 1000
+    bulk_rows_per_statement = 5000
 
     def __init__(
         self,
@@ -268,6 +269,24 @@ class MySQLBackend(Backend):
             name=self.name,
         )
         self._limits_known = False
+
+    def stamps_between(
+        self, kind: str, after: int, last: int, known: Sequence[tuple[int, bytes, int]] = ()
+    ) -> dict[bytes, int]:
+        # PyMySQL parses every row in Python (~5 us a row): the server answers
+        # with one row, the range's "added_id:updated" pairs in one string; when
+        # that is what ``known`` says, nothing changed; else the rows are read.
+        if known:
+            d = self.dialect
+            sql = (
+                f"SELECT GROUP_CONCAT(added_id, ':', updated ORDER BY added_id SEPARATOR ',') "
+                f"FROM {d.q(kind)} WHERE added_id > %s AND added_id <= %s"
+            )
+            found = self.fetchall(sql, [after, last])[0][0]
+            text = found.decode() if isinstance(found, bytes | bytearray) else found
+            if text == ",".join([f"{a}:{u}" for a, _, u in known]):
+                return {i: u for _, i, u in known}
+        return super().stamps_between(kind, after, last)
 
     def int_column(self, table: str, key: str, value: str) -> list[int] | None:
         # One row instead of one per key: the catalog's bucket map (1,024 rows)

@@ -1,0 +1,103 @@
+"""The flat-out backfill's own paths: one-transaction fenced inserts, the
+stamps check answered from what a batch read, and batches read ahead while
+the previous one is written."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import bagstore
+from bagstore import keys
+from bagstore.backends.indexsql import IndexRow
+from tests.conftest import Topology
+
+link_idx = bagstore.Index(table="index_link", properties=["link"], shard_on="link")
+
+
+def consistent(ds: bagstore.Datastore) -> bool:
+    report = ds.check()
+    return (report["missing"], report["stale"]) == (0, 0)
+
+
+def _rows(buckets: list[int]) -> list[IndexRow]:
+    return [
+        IndexRow((keys.encode_value(f"http://x/{os.urandom(4).hex()}"),), os.urandom(16), b)
+        for b in buckets
+    ]
+
+
+def test_bulk_insert_is_fenced_and_all_or_nothing(topo: Topology) -> None:
+    """A bulk insert with one row of a bucket this shard does not own (or has
+    frozen) raises and writes none of its rows; of owned buckets it writes
+    every row once, and again leaves them alone."""
+    ds = topo.open(indexes=[link_idx], buckets=64)
+    backend = ds.router.backends[0]
+    owned = ds.placement.buckets_of_shard(0)
+    foreign = next(b for b in range(64) if b not in owned)
+    with pytest.raises(bagstore.StalePlacement):
+        backend.bulk_insert_index_rows("index_link", ["link"], _rows([owned[0]] * 30 + [foreign]))
+    assert backend.count("index_link") == 0
+    backend.set_bucket_state(owned[1], 1)  # FROZEN, as a move does
+    with pytest.raises(bagstore.KeyMigrating):
+        backend.bulk_insert_index_rows("index_link", ["link"], _rows([owned[0], owned[1]]))
+    assert backend.count("index_link") == 0
+    backend.set_bucket_state(owned[1], 0)
+    backend.bulk_rows_per_statement = 7  # several statements in the one transaction
+    rows = _rows([owned[0], owned[1]] * 20)
+    assert backend.bulk_insert_index_rows("index_link", ["link"], rows) == 40
+    assert backend.bulk_insert_index_rows("index_link", ["link"], rows) == 0
+    assert backend.count("index_link") == 40
+
+
+def test_stamps_between_known_answers_as_a_full_read(topo: Topology) -> None:
+    """``stamps_between`` given the stamps a batch read answers as it does
+    without them, whether rows changed, went or stayed."""
+    ds = topo.open()
+    ds.put_many([{"link": f"l{i}"} for i in range(60)])
+    backend = max(ds.router.backends, key=lambda b: b.count(ds.kind))
+    scanned = backend.scan_entities(ds.kind, 0, 1000)
+    known = [(a, i, u) for a, i, _, u in scanned]
+    last = scanned[-1][0]
+    full = backend.stamps_between(ds.kind, 0, last)
+    assert backend.stamps_between(ds.kind, 0, last, known) == full
+    assert set(full) == {i for _, i, _ in known}
+    changed, gone = known[1][1], known[2][1]
+    ds.put({"id": changed, "link": "changed"})
+    ds.delete(gone)
+    after = backend.stamps_between(ds.kind, 0, last, known)
+    assert after == backend.stamps_between(ds.kind, 0, last)
+    assert after[changed] != known[1][2] and gone not in after
+
+
+@pytest.mark.parametrize("batch", [7, None])
+def test_flat_out_backfill_stopped_and_resumed(topo: Topology, batch: int | None) -> None:
+    """A flat-out backfill (batches read ahead of the writes) stopped halfway
+    leaves checkpoints; the next run resumes from them and finishes."""
+    ds = topo.open()
+    ds.put_many([{"link": f"l{i % 97}"} for i in range(600)])
+    ds.add_index(link_idx)
+    cleaner = bagstore.Cleaner(ds, duty=0, settle=0, batch=batch)
+
+    def stop_halfway(done: int, total: int) -> None:
+        if done >= total // 2:
+            cleaner.stop()
+
+    first = cleaner.backfill("index_link", progress=stop_halfway)
+    assert ds.indexes()["index_link"][1] == "building"
+    assert 0 < first.entities < 600 or batch is None
+    second = bagstore.Cleaner(ds, duty=0, settle=0, batch=batch).backfill("index_link")
+    assert first.entities + second.entities >= 600
+    assert ds.indexes()["index_link"][1] == "ready"
+    assert len(link_idx.get_all(ds, link__gte="l")) == 600
+    assert consistent(ds)
+
+
+def test_flat_out_batch_default_and_bad_batch(topo: Topology) -> None:
+    ds = topo.open()
+    assert bagstore.Cleaner(ds).batch == 1000
+    assert bagstore.Cleaner(ds).bulk_batch == 5000
+    assert bagstore.Cleaner(ds, batch=50).bulk_batch == 50
+    with pytest.raises(bagstore.ConfigurationError):
+        bagstore.Cleaner(ds, batch=0)
