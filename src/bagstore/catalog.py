@@ -196,6 +196,11 @@ class Catalog:
     def kinds(self) -> list[str]:
         return sorted(str(k) for (k,) in self.backend.select_all("bagstore_kinds", ("kind",)))
 
+    def placements(self) -> dict[str, tuple[str, str]]:
+        """``{kind: (shard_key, shard_map)}`` of every kind, as recorded."""
+        rows = self.backend.select_all("bagstore_kinds", ("kind", "shard_key", "shard_map"))
+        return {str(k): (str(key), str(m)) for k, key, m in rows}
+
     # -- moves -----------------------------------------------------------------------
     def moves(self) -> dict[int, tuple[int, int, str]]:
         """``{bucket: (source, target, phase)}`` of unfinished moves."""

@@ -374,9 +374,11 @@ def key_migrate(
     key: str,
     bucket: int,
 ) -> None:
-    """Move every entity of shard key KEY to BUCKET (KEY parsed as JSON when it
-    parses, e.g. 42 or {"$hex": "..."}; else a string).  KIND must exist.  A bar
-    on stderr (on a terminal) shows the wait, then the old bucket being read."""
+    """Move every entity of shard key KEY to BUCKET, in KIND and in every other
+    kind placed by the same shard key through the directory, as one migration
+    (KEY parsed as JSON when it parses, e.g. 42 or {"$hex": "..."}; else a
+    string).  KIND must exist.  A bar on stderr (on a terminal) shows the wait,
+    then the old buckets being read."""
     resumable(ctx)  # re-running it finishes the job (the key stays migrating until then)
     kinds = _store(ctx).catalog.kinds()
     if kind not in kinds:  # opening it would register it: refuse before that
@@ -393,7 +395,8 @@ def key_migrate(
                 shown.describe(f"migrating {key}: reading bucket")
 
         mover = bagstore.Mover(placed, progress=shown.update, on_step=step)
-        moved = mover.migrate_key(value, bucket, wait=wait)
+        by_kind = mover.migrate_key_by_kind(value, bucket, wait=wait)
+    moved = sum(by_kind.values())
     seconds = time.monotonic() - started
     if as_json:
         _print_json(
@@ -402,11 +405,15 @@ def key_migrate(
                 "key": value,  # in the tagged forms of entity values
                 "bucket": bucket,
                 "moved": moved,
+                "kinds": by_kind,
                 "seconds": round(seconds, 3),
             }
         )
     else:
-        _out().print(f"moved {moved} entities of {key!r} to bucket {bucket} in {seconds:.1f}s")
+        each = ", ".join(f"{k} {n}" for k, n in by_kind.items())
+        _out().print(
+            f"moved {moved} entities of {key!r} to bucket {bucket} ({each}) in {seconds:.1f}s"
+        )
 
 
 def _store_of_kind(ctx: click.Context, **options: Any) -> bagstore.Datastore:
