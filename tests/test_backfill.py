@@ -101,3 +101,29 @@ def test_flat_out_batch_default_and_bad_batch(topo: Topology) -> None:
     assert bagstore.Cleaner(ds, batch=50).bulk_batch == 50
     with pytest.raises(bagstore.ConfigurationError):
         bagstore.Cleaner(ds, batch=0)
+
+
+@pytest.mark.parametrize("unique", [False, True])
+def test_backfill_rows_are_the_writers_rows(topo: Topology, unique: bool) -> None:
+    """The backfill's inline row building (one property) gives the rows a
+    writer gives, for every kind of value: lists, values with no index
+    encoding, values too long for a unique index, missing properties."""
+    index = bagstore.Index(table="index_v", properties=["v"], unique=unique)
+    ds = topo.open()
+    values: list[object] = [
+        "s",
+        b"b",
+        3,
+        2.5,
+        True,
+        None,
+        {"a": 1},
+        "x" * 400,
+        ["l1", "l2"],
+        [],
+        float("nan"),
+    ]
+    ds.put_many([{"v": v} for v in values] + [{"other": 1}])
+    ds.add_index(index)
+    assert bagstore.Cleaner(ds, duty=0, settle=0).backfill("index_v").entities == 12
+    assert consistent(ds)
