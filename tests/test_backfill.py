@@ -51,24 +51,30 @@ def test_bulk_insert_is_fenced_and_all_or_nothing(topo: Topology) -> None:
     assert backend.count("index_link") == 40
 
 
-def test_stamps_between_known_answers_as_a_full_read(topo: Topology) -> None:
-    """``stamps_between`` given the stamps a batch read answers as it does
-    without them, whether rows changed, went or stayed."""
+def test_stamps_text_tells_a_changed_range(topo: Topology) -> None:
+    """``scan_bodies`` reads bodies and their stamps in one go; ``stamps_text``
+    gives the same text until a row of the range changes, goes or comes, and
+    then says which."""
+    from bagstore.backfill import parse_stamps
+
     ds = topo.open()
     ds.put_many([{"link": f"l{i}"} for i in range(60)])
     backend = max(ds.router.backends, key=lambda b: b.count(ds.kind))
-    scanned = backend.scan_entities(ds.kind, 0, 1000)
-    known = [(a, i, u) for a, i, _, u in scanned]
-    last = scanned[-1][0]
-    full = backend.stamps_between(ds.kind, 0, last)
-    assert backend.stamps_between(ds.kind, 0, last, known) == full
-    assert set(full) == {i for _, i, _ in known}
-    changed, gone = known[1][1], known[2][1]
+    rows, text = backend.scan_bodies(ds.kind, 0, 1000)
+    stamps = parse_stamps(text)
+    assert [i for i, _ in rows] == list(stamps)  # in added_id order, one each
+    assert {i for i, _ in rows} == set(backend.get_bodies(ds.kind, list(stamps)))
+    last = max(a for a, _ in stamps.values())
+    assert backend.stamps_text(ds.kind, 0, last) == text
+    five, five_text = backend.scan_bodies(ds.kind, 0, 5)
+    assert five == rows[:5] and five_text == ",".join(text.split(",")[:5])
+    changed, gone = rows[1][0], rows[2][0]
     ds.put({"id": changed, "link": "changed"})
     ds.delete(gone)
-    after = backend.stamps_between(ds.kind, 0, last, known)
-    assert after == backend.stamps_between(ds.kind, 0, last)
-    assert after[changed] != known[1][2] and gone not in after
+    now = parse_stamps(backend.stamps_text(ds.kind, 0, last))
+    assert now[changed][1] != stamps[changed][1] and gone not in now
+    assert {i for i in stamps if now.get(i) != stamps[i]} == {changed, gone}
+    assert backend.scan_bodies(ds.kind, last, 10) == ([], "")
 
 
 @pytest.mark.parametrize("batch", [7, None])

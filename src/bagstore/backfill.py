@@ -65,15 +65,23 @@ log = logging.getLogger("bagstore.cleaner")
 class Batch:
     """One batch read from a shard, its index rows built."""
 
-    #: ``(added_id, id, updated)`` of every row read (those skipped too)
-    stamps: list[tuple[int, bytes, int]] = field(default_factory=list)
+    #: how many rows were read (those skipped too), and the last one's added_id
+    count: int
+    last: int
+    #: their stamps when read (``Backend.scan_bodies``)
+    stamps: str
     #: the encoded bodies of the entities indexed
     bodies: dict[bytes, bytes] = field(default_factory=dict)
     rows: list[IndexRow] = field(default_factory=list)
 
-    @property
-    def last(self) -> int:
-        return self.stamps[-1][0]
+
+def parse_stamps(text: str) -> dict[bytes, tuple[int, int]]:
+    """``{id: (added_id, updated)}`` from ``Backend.stamps_text``'s text."""
+    out: dict[bytes, tuple[int, int]] = {}
+    for part in text.split(",") if text else ():
+        added_id, updated, entity_id = part.split(":")
+        out[bytes.fromhex(entity_id)] = (int(added_id), int(updated))
+    return out
 
 
 def backfill(cleaner: Cleaner, table: str, progress: Progress | None) -> CleanStats:
@@ -222,7 +230,7 @@ class ShardFill:
 
     def read(self, after: int) -> Batch | None:
         """The next batch after ``after``, its index rows built; None at the end."""
-        scanned = self.backend.scan_entities(self.kind, after, self.batch)
+        scanned, stamps = self.backend.scan_bodies(self.kind, after, self.batch)
         if not scanned:
             return None
         cleaner = self.cleaner
@@ -233,10 +241,10 @@ class ShardFill:
         # One property (the common case): Index.rows_for's own fast path, inline.
         one = index.properties[0] if len(index.properties) == 1 else None
         limit, unique = keys.KEY_LIMIT, index.unique
-        batch = Batch()
-        stamps, bodies, rows = batch.stamps, batch.bodies, batch.rows
-        for added_id, entity_id, body, updated in scanned:
-            stamps.append((added_id, entity_id, updated))
+        last = int(stamps.rsplit(",", 1)[-1].split(":", 1)[0])
+        batch = Batch(len(scanned), last, stamps)
+        bodies, rows = batch.bodies, batch.rows
+        for entity_id, body in scanned:
             if entity_id in unseen:  # a copy that is not its bucket owner's
                 continue
             bodies[entity_id] = body
@@ -255,16 +263,16 @@ class ShardFill:
     def write(self, batch: Batch, advance: Callable[[int], None]) -> int:
         """Insert a batch's rows, take back those of entities that changed
         since it was read, save the position; the entities read."""
-        cleaner, index, backend = self.cleaner, self.index, self.backend
-        after = self.position
+        cleaner, index = self.cleaner, self.index
         self.stats.written += cleaner._insert(index, batch.rows, bulk=self.flat_out)
-        now = backend.stamps_between(self.kind, after, batch.last, batch.stamps)
-        self.stats.removed += self._take_back(batch, now)
-        self.stats.entities += len(batch.stamps)
+        now = self.backend.stamps_text(self.kind, self.position, batch.last)
+        if now != batch.stamps:
+            self.stats.removed += self._take_back(batch, parse_stamps(now))
+        self.stats.entities += batch.count
         self.position = batch.last
         self.save(force=False)
-        advance(len(batch.stamps))
-        return len(batch.stamps)
+        advance(batch.count)
+        return batch.count
 
     def save(self, force: bool) -> None:
         now = time.monotonic()
@@ -274,13 +282,13 @@ class ShardFill:
             self.saved = (position, now)
             log.debug("checkpoint %s: added_id %d", self.checkpoint, position)
 
-    def _take_back(self, batch: Batch, now: dict[bytes, int]) -> int:
+    def _take_back(self, batch: Batch, now: dict[bytes, tuple[int, int]]) -> int:
         """Delete rows just written for entities that changed since they were
         read (their writers may already have removed the old values' rows);
-        ``now``: ``{id: updated}`` of the batch's range as it is after the
-        insert."""
-        read = {i: u for _, i, u in batch.stamps if i in batch.bodies}
-        changed = [i for i, u in read.items() if now.get(i) != u]
+        ``now``: ``{id: (added_id, updated)}`` of the batch's range as it is
+        after the insert."""
+        read = parse_stamps(batch.stamps)
+        changed = [i for i in batch.bodies if now.get(i) != read.get(i)]
         if not changed:
             return 0
         cleaner, index = self.cleaner, self.index
