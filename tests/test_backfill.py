@@ -51,7 +51,8 @@ def test_bulk_insert_is_fenced_and_all_or_nothing(topo: Topology) -> None:
     assert backend.count("index_link") == 40
 
 
-def test_stamps_text_tells_a_changed_range(topo: Topology) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_stamps_text_tells_a_changed_range(topo: Topology, packed: bool) -> None:
     """``scan_bodies`` reads bodies and their stamps in one go; ``stamps_text``
     gives the same text until a row of the range changes, goes or comes, and
     then says which."""
@@ -60,21 +61,22 @@ def test_stamps_text_tells_a_changed_range(topo: Topology) -> None:
     ds = topo.open()
     ds.put_many([{"link": f"l{i}"} for i in range(60)])
     backend = max(ds.router.backends, key=lambda b: b.count(ds.kind))
-    rows, text = backend.scan_bodies(ds.kind, 0, 1000)
+    rows, text = backend.scan_bodies(ds.kind, 0, 1000, packed=packed)
     stamps = parse_stamps(text)
     assert [i for i, _ in rows] == list(stamps)  # in added_id order, one each
     assert {i for i, _ in rows} == set(backend.get_bodies(ds.kind, list(stamps)))
     last = max(a for a, _ in stamps.values())
-    assert backend.stamps_text(ds.kind, 0, last) == text
-    five, five_text = backend.scan_bodies(ds.kind, 0, 5)
+    assert backend.stamps_text(ds.kind, 0, last, packed=packed) == text
+    assert backend.stamps_text(ds.kind, 0, last, packed=not packed) == text
+    five, five_text = backend.scan_bodies(ds.kind, 0, 5, packed=packed)
     assert five == rows[:5] and five_text == ",".join(text.split(",")[:5])
     changed, gone = rows[1][0], rows[2][0]
     ds.put({"id": changed, "link": "changed"})
     ds.delete(gone)
-    now = parse_stamps(backend.stamps_text(ds.kind, 0, last))
+    now = parse_stamps(backend.stamps_text(ds.kind, 0, last, packed=packed))
     assert now[changed][1] != stamps[changed][1] and gone not in now
     assert {i for i in stamps if now.get(i) != stamps[i]} == {changed, gone}
-    assert backend.scan_bodies(ds.kind, last, 10) == ([], "")
+    assert backend.scan_bodies(ds.kind, last, 10, packed=packed) == ([], "")
 
 
 @pytest.mark.parametrize("batch", [7, None])

@@ -230,7 +230,9 @@ class ShardFill:
 
     def read(self, after: int) -> Batch | None:
         """The next batch after ``after``, its index rows built; None at the end."""
-        scanned, stamps = self.backend.scan_bodies(self.kind, after, self.batch)
+        scanned, stamps = self.backend.scan_bodies(
+            self.kind, after, self.batch, packed=self.flat_out
+        )
         if not scanned:
             return None
         cleaner = self.cleaner
@@ -265,7 +267,7 @@ class ShardFill:
         since it was read, save the position; the entities read."""
         cleaner, index = self.cleaner, self.index
         self.stats.written += cleaner._insert(index, batch.rows, bulk=self.flat_out)
-        now = self.backend.stamps_text(self.kind, self.position, batch.last)
+        now = self.backend.stamps_text(self.kind, self.position, batch.last, packed=self.flat_out)
         if now != batch.stamps:
             self.stats.removed += self._take_back(batch, parse_stamps(now))
         self.stats.entities += batch.count

@@ -753,19 +753,23 @@ class Backend(BucketOps, IndexOps):
         ]
 
     def scan_bodies(
-        self, kind: str, after_added_id: int, limit: int
+        self, kind: str, after_added_id: int, limit: int, *, packed: bool = False
     ) -> tuple[list[tuple[bytes, bytes]], str]:
         """A backfill's read: ``(id, body)`` of the next rows after
         ``after_added_id`` (in ``added_id`` order), and the same rows' stamps,
-        read at the same moment, as :meth:`stamps_text` spells them."""
+        read at the same moment, as :meth:`stamps_text` spells them.
+        ``packed``: the server may work more to send less (a backend whose
+        driver spends more per column than the server does: a flat-out
+        backfill's choice, not a paced one's)."""
         rows = self.scan_entities(kind, after_added_id, limit)
         return [(r[1], r[2]) for r in rows], ",".join([f"{r[0]}:{r[3]}:{r[1].hex()}" for r in rows])
 
-    def stamps_text(self, kind: str, after: int, last: int) -> str:
+    def stamps_text(self, kind: str, after: int, last: int, *, packed: bool = False) -> str:
         """The rows with ``after < added_id <= last`` as one string,
         ``added_id:updated:id in hex`` joined by commas in ``added_id`` order:
         the same text as :meth:`scan_bodies` gave for them exactly when none of
-        them changed, went or came since (a backend may send it ready-made)."""
+        them changed, went or came since (``packed``: as for
+        :meth:`scan_bodies`, the server may build it)."""
         d = self.dialect
         sql = (
             f"SELECT added_id, updated, id FROM {d.q(kind)} "
