@@ -76,7 +76,12 @@ def _index_state(ds: bagstore.Datastore, name: str, states: tuple[str, ...], why
 @click.option("--index", "table", metavar="NAME", help="Backfill this (building) index.")
 @click.option("--repair", "repair", is_flag=True, help="One repair pass over every index.")
 @click.option("--follow", is_flag=True, help="Repair continuously until Ctrl-C.")
-@click.option("--batch", default=1000, show_default=True, help="Entities per statement.")
+@click.option(
+    "--batch",
+    type=int,
+    default=None,
+    help="Entities per statement [default: 1000; a backfill with --duty 0: 5000].",
+)
 @_pacing(
     0.5,
     "Pause this fraction of each batch's time after it; batches of one server "
@@ -97,7 +102,7 @@ def clean(
     table: str | None,
     repair: bool,
     follow: bool,
-    batch: int,
+    batch: int | None,
     max_rate: float | None,
     duty: float,
     interval: float,
