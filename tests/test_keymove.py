@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +136,29 @@ def test_migrate_key_refuses_bad_input(topo: Topology) -> None:
         posts.migrate_key({"a": 1}, 3)
     with pytest.raises(bagstore.ConfigurationError):
         plain.migrate_key("ann", 3)
+
+
+def test_cli_key_migrate_moves_every_kind_of_the_key(tmp_path: Path) -> None:
+    """``bagstore key migrate --kind posts`` moves the key's photos too, and
+    says how many of each kind (text and ``--json``)."""
+    from click.testing import CliRunner
+
+    from bagstore.cli import cli
+
+    store = tmp_path / "s"
+    opts = {"shard_key": "user", "shard_map": "directory", "buckets": 16}
+    with bagstore.open(store, kind="posts", **opts) as posts:
+        post_ids = [posts.put({"user": "ann", "n": i}) for i in range(3)]
+    with bagstore.open(store, kind="photos", **opts) as photos:
+        photo_ids = [photos.put({"user": "ann", "n": i}) for i in range(2)]
+    args = ["--store", str(store), "key", "migrate", "--kind", "posts", "--shard-key", "user"]
+    result = CliRunner().invoke(cli, [*args, "--wait", "0", '"ann"', "9"])
+    assert result.exit_code == 0, result.output
+    assert "moved 5 entities" in result.output and "photos 2" in result.output
+    for kind, ids in (("posts", post_ids), ("photos", photo_ids)):
+        with bagstore.open(store, kind=kind, **opts) as ds:
+            assert {ds.bucket_of_id(i) for i in ids} == {9}
+    again = CliRunner().invoke(cli, [*args, "--wait", "0", "--json", '"ann"', "3"])
+    assert again.exit_code == 0, again.output
+    doc = json.loads(again.output)
+    assert doc["moved"] == 5 and doc["kinds"] == {"posts": 3, "photos": 2}
