@@ -197,6 +197,8 @@ class ShardFill:
         shard workers waiting for each other would never free one)."""
         stop = self.cleaner._stop
         pool = self.cleaner.router.pool()
+        if self.position >= end or stop.is_set():
+            return
 
         def ahead(after: int) -> Batch | None:
             with long_statements():
@@ -221,7 +223,7 @@ class ShardFill:
                 with long_statements():
                     n = self.write(batch, advance)
                 stop.wait(self.throttle.pause_after(n, time.monotonic() - t0))
-                if not more:
+                if not more or stop.is_set():  # (a batch read ahead is not written)
                     return
         finally:
             if not pending.cancel():  # let a read in flight end before returning
