@@ -47,10 +47,11 @@ from bench.common import (
     Result,
     Row,
     Work,
+    add_common_args,
     compare,
     friendfeed_entity,
-    mysql_available,
     mysql_url,
+    plan,
     print_machine,
     print_rows,
     result_row,
@@ -368,15 +369,13 @@ def run_backend(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="bagstore's cache beside the uncached path")
-    p.add_argument("--backend", choices=["sqlite", "mysql", "all"], default="all")
+    add_common_args(p)
     p.add_argument("--cache", choices=["memcached", "redis", "all"], default="all")
     p.add_argument("--memcached", default="127.0.0.1:11211", help="host:port[,host:port...]")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
     p.add_argument("--seconds", type=float, default=None, help="length of one round")
     p.add_argument("--mix-ops", type=int, default=None, help="operations of the mix")
-    p.add_argument("--quick", action="store_true", help="3 short rounds: a smoke run")
-    p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.seconds = args.seconds or (0.05 if args.quick else 0.4)
@@ -402,12 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     if not caches:
         log("skipped: bench.cache (no cache server answers)")
         return 0
-    backends = ["sqlite", "mysql"] if args.backend == "all" else [args.backend]
-    if "mysql" in backends and not mysql_available():
-        log("MariaDB not reachable on 127.0.0.1:3306: skipping it")
-        backends.remove("mysql")
-        if not backends:
-            return 2
+    backends = plan(args.backend)
+    if backends is None:
+        return 2
     print_machine(args.format)
     started = time.perf_counter()
     rows: list[Row] = []

@@ -237,7 +237,7 @@ def count(side: Side, table: str) -> int:
     return int(side.run(side.shard, f"SELECT COUNT(*) FROM {table}")[0][0])
 
 
-def bag_backfill(side: Side, duty: float = 0.0, batch: int = 1000) -> float:
+def bag_backfill(side: Side, duty: float = 0.0, batch: int | None = None) -> float:
     """Build the index with the Cleaner from scratch; the seconds it took."""
     ds = side.ds
     if ds.indexes().get(TABLE) is not None:

@@ -43,9 +43,10 @@ import bagstore
 from bagstore.ids.sequence import Sequence, TicketSequence, open_sequence
 from bench.common import (
     Row,
-    mysql_available,
+    add_common_args,
     mysql_connect,
     mysql_url,
+    plan,
     print_machine,
     print_rows,
     temp_databases,
@@ -306,12 +307,10 @@ def run_backend(backend: str, *, rounds: int, seconds: float, threads: int) -> l
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="bagstore sequences beside Flickr's ticket server")
-    p.add_argument("--backend", choices=["sqlite", "mysql", "all"], default="all")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
-    p.add_argument("--seconds", type=float, default=None, help="length of one round (0.5)")
+    add_common_args(p)
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (5; --quick 3)")
+    p.add_argument("--seconds", type=float, default=None, help="one round (0.5; --quick 0.1)")
     p.add_argument("--threads", type=int, default=4)
-    p.add_argument("--quick", action="store_true", help="3 short rounds: a smoke run")
-    p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
     args = p.parse_args(argv)
     if args.rounds is None:
         args.rounds = 3 if args.quick else 5
@@ -325,21 +324,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m bench.sequences``."""
     args = parse_args(argv)
-    plan = []
-    if args.backend in ("sqlite", "all"):
-        plan.append("sqlite")
-    if args.backend in ("mysql", "all"):
-        if mysql_available():
-            plan.append("mysql")
-        elif args.backend == "mysql":
-            print("MariaDB is not reachable", file=sys.stderr)
-            return 2
-        else:
-            print("skipped: MariaDB on 127.0.0.1:3306 does not answer", file=sys.stderr)
+    backends = plan(args.backend)
+    if backends is None:
+        return 2
     print_machine(args.format)
     started = time.perf_counter()
     rows: list[Row] = []
-    for backend in plan:
+    for backend in backends:
         rows += run_backend(backend, rounds=args.rounds, seconds=args.seconds, threads=args.threads)
     print_rows(
         f"bench.sequences: ids/s (raw column: Flickr's ticket server by hand), medians of "

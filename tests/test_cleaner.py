@@ -65,7 +65,7 @@ def test_duty_runs_one_batch_at_a_time_per_server(
     lock = threading.Lock()
     inside = [0, 0]  # now, most at once
 
-    scan = type(ds.router.backends[0]).scan_entities
+    scan = type(ds.router.backends[0]).scan_bodies
 
     def slow_scan(backend: object, *args: object, **kwargs: object) -> object:
         with lock:
@@ -78,7 +78,7 @@ def test_duty_runs_one_batch_at_a_time_per_server(
             with lock:
                 inside[0] -= 1
 
-    monkeypatch.setattr(type(ds.router.backends[0]), "scan_entities", slow_scan)
+    monkeypatch.setattr(type(ds.router.backends[0]), "scan_bodies", slow_scan)
     stats = bagstore.Cleaner(ds, batch=20, duty=duty, settle=0).backfill("index_link")
     assert stats.written == 400 and consistent(ds)
     if duty and topo.name != "sqlite":
@@ -133,7 +133,7 @@ def test_backfill_keeps_rows_of_an_entity_moved_during_its_batch(
     source = ds.placement.shard_of_bucket[bucket]
     target = (source + 1) % len(ds.router.backends)
     backend = ds.router.backends[source]
-    original = backend.stamps_between
+    original = backend.stamps_text
     done: list[bool] = []
 
     def move_then_read(*args: Any, **kwargs: Any) -> Any:
@@ -142,7 +142,7 @@ def test_backfill_keeps_rows_of_an_entity_moved_during_its_batch(
             ds.move_buckets([bucket], to=target, grace=0)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(backend, "stamps_between", move_then_read)
+    monkeypatch.setattr(backend, "stamps_text", move_then_read)
     bagstore.Cleaner(ds, batch=50, duty=0, settle=0).backfill("index_link")
     assert done
     assert [e["id"] for e in link_idx.get_all(ds, link="m7")] == [moved]

@@ -193,6 +193,11 @@ class Catalog:
         rows = self.backend.select_all("bagstore_kinds", ("shard_key", "shard_map"), {"kind": kind})
         return str(rows[0][0]), str(rows[0][1])
 
+    def placements(self) -> dict[str, tuple[str, str]]:
+        """``{kind: (shard_key, shard_map)}`` of every kind, as recorded."""
+        rows = self.backend.select_all("bagstore_kinds", ("kind", "shard_key", "shard_map"))
+        return {str(k): (str(key), str(m)) for k, key, m in rows}
+
     def kinds(self) -> list[str]:
         return sorted(str(k) for (k,) in self.backend.select_all("bagstore_kinds", ("kind",)))
 

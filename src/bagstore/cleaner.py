@@ -12,14 +12,15 @@
     'ready'
     >>> ds.close()
 
-*Backfill* scans every shard's entities in ``added_id`` order (shards in
-parallel), writes the missing rows with multi-row inserts, and saves a
-checkpoint per shard after its first batch and then once a second (and when it
-stops), so a killed backfill resumes where it stopped, redoing at most a second
-of inserts that leave existing rows alone; then it marks the index ``ready``.
-Entities written while it runs are indexed by their writers; after each batch
-the Cleaner re-reads the entities it just indexed and takes back rows of any
-that changed meanwhile, so it never leaves a stale row of its own behind.
+*Backfill* (:mod:`bagstore.backfill`) scans every shard's entities in
+``added_id`` order (shards in parallel), writes the missing rows with multi-row
+inserts, and saves a checkpoint per shard after its first batch and then once
+a second (and when it stops), so a killed backfill resumes where it stopped,
+redoing at most a second of inserts that leave existing rows alone; then it
+marks the index ``ready``.  Entities written while it runs are indexed by their
+writers; after each batch the Cleaner re-reads the entities it just indexed and
+takes back rows of any that changed meanwhile, so it never leaves a stale row
+of its own behind.
 
 *Repair* reconciles, for each entity (most recently updated first), the rows it
 should have with the rows that point at it (found through the ``entity_id`` key
@@ -60,11 +61,11 @@ from bagstore import codec
 from bagstore.backends.base import Stored
 from bagstore.backends.indexsql import IndexRow
 from bagstore.backends.pool import long_statements
+from bagstore.backfill import FLAT_OUT_BATCH
 from bagstore.catalog import Checkpoints
 from bagstore.check import iter_index_rows
 from bagstore.errors import ConfigurationError
-from bagstore.index import BUILDING, READY, Index
-from bagstore.logs import ProgressLog, rate
+from bagstore.index import Index
 from bagstore.owners import Moves, drop_dead_claims, unfinished_moves
 from bagstore.throttle import Throttle, check_pacing
 
@@ -108,7 +109,8 @@ class CleanStats:
 class Cleaner:
     """Backfill and repair for one datastore (one kind).
 
-    ``batch``: entities read per statement; ``max_rate``: rows per second per
+    ``batch``: entities read per statement (default 1,000; a flat-out
+    backfill's, ``duty=0``, 5,000); ``max_rate``: rows per second per
     run (None: adaptive only); ``duty``: see :class:`Throttle`; ``settle``:
     seconds after an index is registered before its backfill starts reading
     (default ``refresh_interval`` + 1, so that every writer maintains it by
@@ -119,16 +121,18 @@ class Cleaner:
         self,
         datastore: Datastore,
         *,
-        batch: int = 1000,
+        batch: int | None = None,
         max_rate: float | None = None,
         duty: float = 0.5,
         settle: float | None = None,
     ) -> None:
-        check_pacing(batch, duty, max_rate)
+        check_pacing(FLAT_OUT_BATCH if batch is None else batch, duty, max_rate)
         self.ds = datastore
         #: where rows go and the retries on a moved bucket (bagstore.sharding.router)
         self.router = datastore.router
-        self.batch = batch
+        self.batch = 1000 if batch is None else batch
+        #: entities a flat-out (duty=0) backfill reads per batch
+        self.bulk_batch = FLAT_OUT_BATCH if batch is None else batch
         self.max_rate = max_rate
         self.duty = duty
         # Writers learn of a new index within refresh_interval: a backfill that
@@ -207,14 +211,20 @@ class Cleaner:
             raise ConfigurationError(f"no index {table!r} on kind {self.ds.kind!r}")
         return entry
 
-    def _insert(self, index: Index, rows: Iterable[IndexRow]) -> int:
-        """Write rows on the shards that own their buckets (fenced, like writers)."""
+    def _insert(self, index: Index, rows: Iterable[IndexRow], *, bulk: bool = False) -> int:
+        """Write rows on the shards that own their buckets (fenced, like writers;
+        ``bulk``: one transaction per shard, see ``bulk_insert_index_rows``)."""
         claimed = time.time_ns() // 1000 if index.unique else None
 
         def on(backend: Backend, part: list[IndexRow]) -> int:
-            n = backend.insert_index_rows(
-                index.table, index.properties, part, claimed=claimed, fenced=True
-            )
+            if bulk:
+                n = backend.bulk_insert_index_rows(
+                    index.table, index.properties, part, claimed=claimed
+                )
+            else:
+                n = backend.insert_index_rows(
+                    index.table, index.properties, part, claimed=claimed, fenced=True
+                )
             backend.after_bulk_step()
             return n
 
@@ -250,155 +260,19 @@ class Cleaner:
 
     # -- backfill ------------------------------------------------------------------
     def backfill(self, table: str, *, progress: Progress | None = None) -> CleanStats:
-        """Fill a building index from the existing entities, then mark it ready.
+        """Fill a building index from the existing entities, then mark it ready
+        (see :mod:`bagstore.backfill`).
 
         Resumes from the checkpoints a killed run left.  Running it on a ready
         index is harmless (it writes only rows that are missing).
         """
-        index, state = self._index(table)
-        if state not in (BUILDING, READY):
-            raise ConfigurationError(f"index {table!r} is {state}: nothing to backfill")
-        self._stop.clear()
-        started = time.monotonic()  # the settle wait counts in stats.seconds
-        registered = self.ds.index_catalog.changed(table) or 0
-        wait = registered / 1e6 + self.settle - time.time()
-        if wait > 0 and state == BUILDING:
-            self._stop.wait(wait)
-        shards = range(len(self.router.backends))
-        names = [self._checkpoint_name(index, s) for s in shards]
-        starts = [self.checkpoints.get(n) or 0 for n in names]
-        ends = self.router.on_all(lambda b: b.max_added_id(self.ds.kind))
-        total = sum(max(0, e - s) for s, e in zip(starts, ends, strict=True))
-        done = [0]
-        lock = threading.Lock()
-        what = f"backfill of index {table} (kind {self.ds.kind})"
-        log.info(
-            "%s: starting, about %d entities to read on %d shards%s",
-            what,
-            total,
-            len(shards),
-            " (resuming from checkpoints)" if any(starts) else "",
-        )
-        logged = ProgressLog(log, what, total)
+        from bagstore.backfill import backfill
 
-        def advance(n: int) -> None:
-            logged.advance(n)
-            with lock:
-                done[0] += n
-                if progress is not None:
-                    progress(min(done[0], total), total)
-
-        if progress is not None:
-            progress(0, total)
-        stats = self._parallel(
-            lambda s: self._backfill_shard(
-                index, s, names[s], starts[s], ends[s], advance, len(shards)
-            ),
-            shards,
-        )
-        stats.seconds = time.monotonic() - started
-        counts = (
-            f"{stats.entities} entities read, {stats.written} rows written, {stats.removed} "
-            f"taken back in {stats.seconds:.1f}s ({rate(stats.entities, stats.seconds)})"
-        )
-        if self._stop.is_set():
-            log.info("%s: stopped after %s; it resumes from its checkpoints", what, counts)
-            return stats
-        now = time.time_ns() // 1000
-        self.ds.index_catalog.set_state(table, READY, now, expect=BUILDING)
-        self.checkpoints.clear(self._checkpoint_name(index, None))
-        self.ds.registry(refresh=True)
-        log.info("%s: done, %s; the index is ready", what, counts)
-        return stats
+        return backfill(self, table, progress)
 
     def _checkpoint_name(self, index: Index, shard: int | None) -> str:
         base = f"backfill:{self.ds.kind}:{index.table}:"
         return base if shard is None else f"{base}{shard}"
-
-    def _backfill_shard(
-        self,
-        index: Index,
-        shard: int,
-        checkpoint: str,
-        after: int,
-        end: int,
-        advance: Callable[[int], None],
-        shards: int,
-    ) -> CleanStats:
-        """Fill the index from one shard's entities up to ``end``, the last
-        ``added_id`` when the backfill started: every entity added later was
-        written by a writer that already maintained the index, so chasing them
-        would only keep a busy store's backfill from ever finishing."""
-        backend = self.router.backends[shard]
-        throttle = self._throttle(shards)
-        stats = CleanStats()
-        position = [after]
-        saved = [after, -CHECKPOINT_EVERY]  # position saved, and when
-
-        def save(force: bool) -> None:
-            now = time.monotonic()
-            if position[0] != saved[0] and (force or now - saved[1] >= CHECKPOINT_EVERY):
-                self.checkpoints.set(checkpoint, position[0])
-                saved[:] = [position[0], now]
-                log.debug("checkpoint %s: added_id %d", checkpoint, position[0])
-
-        def one_batch() -> int | None:
-            after = position[0]
-            batch = backend.scan_entities(self.ds.kind, after, self.batch)
-            if not batch:
-                return None
-            wanted: dict[bytes, set[IndexRow]] = {}
-            stamp: dict[bytes, int] = {}
-            unseen = unfinished_moves(self.router).ids_on(backend, shard, self.ds.kind)
-            for _, entity_id, body, updated in batch:
-                if entity_id in unseen:  # a copy that is not its bucket owner's
-                    continue
-                wanted[entity_id] = index.rows_or_none(codec.decode(body), entity_id, self._buckets)
-                stamp[entity_id] = updated
-            stats.written += self._insert(index, (r for rows in wanted.values() for r in rows))
-            now = backend.stamps_between(self.ds.kind, after, batch[-1][0])
-            stats.removed += self._take_back(index, backend, wanted, stamp, now)
-            stats.entities += len(batch)
-            position[0] = batch[-1][0]
-            save(force=False)
-            advance(len(batch))
-            return len(batch)
-
-        try:
-            while position[0] < end and not self._stop.is_set():
-                if self._paced(backend, throttle, one_batch) is None:
-                    break
-        finally:
-            save(force=True)
-        return stats
-
-    def _take_back(
-        self,
-        index: Index,
-        backend: Backend,
-        wanted: dict[bytes, set[IndexRow]],
-        stamp: dict[bytes, int],
-        now: dict[bytes, int],
-    ) -> int:
-        """Delete rows just written for entities that changed since they were read
-        (their writers may already have removed the old values' rows); ``now``:
-        ``{id: updated}`` of the batch's rows as they are after the insert."""
-        changed = [i for i in wanted if now.get(i) != stamp[i]]
-        if not changed:
-            return 0
-        current: dict[bytes, Any] = dict(backend.get_bodies(self.ds.kind, changed))
-        for moved in self._found_elsewhere([i for i in changed if i not in current]).values():
-            current.update(moved)
-        stale: list[tuple[int, IndexRow]] = []
-        for entity_id in changed:
-            hit = current.get(entity_id)
-            keep = (
-                index.rows_or_none(codec.decode(hit.body), entity_id, self._buckets)
-                if hit is not None
-                else set()
-            )
-            stale += [(self._shard_of(r), r) for r in wanted[entity_id] - keep]
-        return self._delete(index, stale)
 
     # -- repair --------------------------------------------------------------------
     def repair(

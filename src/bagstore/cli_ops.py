@@ -76,7 +76,12 @@ def _index_state(ds: bagstore.Datastore, name: str, states: tuple[str, ...], why
 @click.option("--index", "table", metavar="NAME", help="Backfill this (building) index.")
 @click.option("--repair", "repair", is_flag=True, help="One repair pass over every index.")
 @click.option("--follow", is_flag=True, help="Repair continuously until Ctrl-C.")
-@click.option("--batch", default=1000, show_default=True, help="Entities per statement.")
+@click.option(
+    "--batch",
+    type=int,
+    default=None,
+    help="Entities per statement [default: 1000; a backfill with --duty 0: 5000].",
+)
 @_pacing(
     0.5,
     "Pause this fraction of each batch's time after it; batches of one server "
@@ -97,7 +102,7 @@ def clean(
     table: str | None,
     repair: bool,
     follow: bool,
-    batch: int,
+    batch: int | None,
     max_rate: float | None,
     duty: float,
     interval: float,
@@ -374,9 +379,11 @@ def key_migrate(
     key: str,
     bucket: int,
 ) -> None:
-    """Move every entity of shard key KEY to BUCKET (KEY parsed as JSON when it
-    parses, e.g. 42 or {"$hex": "..."}; else a string).  KIND must exist.  A bar
-    on stderr (on a terminal) shows the wait, then the old bucket being read."""
+    """Move every entity of shard key KEY to BUCKET, in KIND and in every other
+    kind placed by the same shard key through the directory, as one migration
+    (KEY parsed as JSON when it parses, e.g. 42 or {"$hex": "..."}; else a
+    string).  KIND must exist.  A bar on stderr (on a terminal) shows the wait,
+    then the old buckets being read."""
     resumable(ctx)  # re-running it finishes the job (the key stays migrating until then)
     kinds = _store(ctx).catalog.kinds()
     if kind not in kinds:  # opening it would register it: refuse before that
@@ -393,7 +400,8 @@ def key_migrate(
                 shown.describe(f"migrating {key}: reading bucket")
 
         mover = bagstore.Mover(placed, progress=shown.update, on_step=step)
-        moved = mover.migrate_key(value, bucket, wait=wait)
+        by_kind = mover.migrate_key_by_kind(value, bucket, wait=wait)
+    moved = sum(by_kind.values())
     seconds = time.monotonic() - started
     if as_json:
         _print_json(
@@ -402,11 +410,15 @@ def key_migrate(
                 "key": value,  # in the tagged forms of entity values
                 "bucket": bucket,
                 "moved": moved,
+                "kinds": by_kind,
                 "seconds": round(seconds, 3),
             }
         )
     else:
-        _out().print(f"moved {moved} entities of {key!r} to bucket {bucket} in {seconds:.1f}s")
+        each = ", ".join(f"{k} {n}" for k, n in by_kind.items())
+        _out().print(
+            f"moved {moved} entities of {key!r} to bucket {bucket} ({each}) in {seconds:.1f}s"
+        )
 
 
 def _store_of_kind(ctx: click.Context, **options: Any) -> bagstore.Datastore:

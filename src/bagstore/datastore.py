@@ -491,9 +491,9 @@ class Datastore:
         )
 
     def migrate_key(self, value: object, to_bucket: int, *, wait: float | None = None) -> int:
-        """Move one shard key's entities to another bucket (``shard_map='directory'``
-        kinds); writes to the key get KeyMigrating meanwhile.  Returns how many
-        entities moved."""
+        """Move one shard key's entities to another bucket, in every kind placed
+        by that key through the directory (``shard_map='directory'``); writes
+        to the key get KeyMigrating meanwhile.  Returns how many entities moved."""
         from bagstore.scaleout import Mover
 
         return Mover(self).migrate_key(value, to_bucket, wait=wait)

@@ -505,60 +505,50 @@ class Mover:
 
     # -- one key (directory shard map) ---------------------------------------------------
     def migrate_key(self, value: object, to_bucket: int, *, wait: float | None = None) -> int:
-        """Move every entity of one shard key to another bucket; return how many.
+        """Move every entity of one shard key, of every kind placed by that key
+        through the directory, to another bucket; return how many (see
+        :meth:`migrate_key_by_kind`)."""
+        return sum(self.migrate_key_by_kind(value, to_bucket, wait=wait).values())
 
-        The key is marked migrating (writes to it get KeyMigrating), and after
-        ``wait`` seconds (default: the directory cache's lifetime, so that no
-        process still writes by an old entry) its entities are copied, their
-        lookup rows switched, the directory pointed at the new bucket, and the
-        old copies deleted.  Re-running it after a crash finishes the job.
+    def migrate_key_by_kind(
+        self, value: object, to_bucket: int, *, wait: float | None = None
+    ) -> dict[str, int]:
+        """Move one shard key to another bucket in every kind placed by that key
+        through the directory (``shard_map="directory"``); ``{kind: entities
+        moved}``.
+
+        Every kind's entry is marked migrating (writes to the key get
+        KeyMigrating), and after ``wait`` seconds (default: the directory
+        cache's lifetime, so that no process still writes by an old entry) the
+        entities are copied, their lookup rows switched, the directory entries
+        pointed at the new bucket, and the old copies deleted (see
+        :mod:`bagstore.keymove`).  Re-running it after a crash finishes the job.
         """
+        from bagstore.keymove import KeyMigration, encode_key, placers_of_key
+
         ds = self.ds
-        placer = ds.placer
-        directory = placer.directory
-        if directory is None:
+        if ds.placer.directory is None:
             raise ConfigurationError(
                 f"kind {ds.kind!r} does not use the directory shard map (shard_map='directory')"
             )
-        if not isinstance(to_bucket, int) or not 0 <= to_bucket < ds.placement.buckets:
+        if (
+            not isinstance(to_bucket, int)
+            or isinstance(to_bucket, bool)
+            or not 0 <= to_bucket < ds.placement.buckets
+        ):
             raise ConfigurationError(f"no bucket {to_bucket!r}")
-        from bagstore import codec, keys
-        from bagstore.sharding.directory import MIGRATING, NORMAL
-
-        try:
-            key = keys.encode_value(value)
-        except keys.UnindexableValue as exc:
-            raise ConfigurationError(f"bad shard key {value!r}: {exc}") from None
-        found = directory.lookup(key)
-        if found is None:
-            directory.set(key, to_bucket, NORMAL)
-            return 0
-        old, state = found
-        if old == to_bucket and state == NORMAL:
-            return 0
-        directory.set(key, old, MIGRATING)
-        self._step("wait", 0)
-        time.sleep(directory.ttl + 0.2 if wait is None else wait)
-        placement = ds.refresh_placement(force=True)
-        src = ds.router.backends[placement.shard_of_bucket[old]]
-        dst = ds.router.backends[placement.shard_of_bucket[to_bucket]]
-        ids = list(src.bucket_stamps(ds.kind, old))
-        moved: list[bytes] = []
-        for start in range(0, len(ids), self.batch):
-            rows = src.entity_rows(ds.kind, ids[start : start + self.batch])
-            mine = [r for r in rows if placer.key_of(codec.decode(r[4])) == key]
-            dst.copy_entity_rows(ds.kind, [(i, to_bucket, u, v, body) for i, _, u, v, body in mine])
-            placer.record({r[0]: to_bucket for r in mine})
-            moved += [r[0] for r in mine]
-            self._step("copy", len(mine))
-            if self.progress is not None:
-                self.progress(min(start + self.batch, len(ids)), len(ids))
-        if src is not dst:
-            src.delete_ids(ds.kind, moved)
-        directory.set(key, to_bucket, NORMAL)
-        directory.moved(old, to_bucket)
-        log.info("key moved from bucket %d to bucket %d: %d entities", old, to_bucket, len(moved))
-        return len(moved)
+        key = encode_key(value)
+        placers = placers_of_key(ds.router, ds.placer, ds.catalog.placements())
+        migration = KeyMigration(
+            ds.router,
+            placers,
+            key,
+            to_bucket,
+            batch=self.batch,
+            step=self._step,
+            progress=self.progress,
+        )
+        return migration.run(wait)
 
     # -- rebalance -------------------------------------------------------------------
     def plan(self) -> list[tuple[int, int]]:

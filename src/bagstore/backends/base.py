@@ -316,6 +316,9 @@ class Backend(BucketOps, IndexOps):
     max_statement_rows: int = 1000
     #: Index rows per fenced multi-row insert (SQLite caps a compound SELECT at 500).
     index_rows_per_statement: int = 200
+    #: Index rows per statement of a flat-out backfill's inserts (a ``VALUES``
+    #: list; see ``IndexOps.bulk_insert_index_rows``), within ``max_statement_bytes``.
+    bulk_rows_per_statement: int = 1000
 
     def __init__(self, name: str, server: str | None = None) -> None:
         self.name = name
@@ -928,15 +931,31 @@ class Backend(BucketOps, IndexOps):
             (int(r[0]), bytes(r[1]), bytes(r[2]), int(r[3])) for r in self.fetchall(sql, params)
         ]
 
-    def stamps_between(self, kind: str, after: int, last: int) -> dict[bytes, int]:
-        """``{id: updated}`` of the rows with ``after < added_id <= last``: a
-        range of the primary key, far cheaper than naming the ids."""
+    def scan_bodies(
+        self, kind: str, after_added_id: int, limit: int, *, packed: bool = False
+    ) -> tuple[list[tuple[bytes, bytes]], str]:
+        """A backfill's read: ``(id, body)`` of the next rows after
+        ``after_added_id`` (in ``added_id`` order), and the same rows' stamps,
+        read at the same moment, as :meth:`stamps_text` spells them.
+        ``packed``: the server may work more to send less (a backend whose
+        driver spends more per column than the server does: a flat-out
+        backfill's choice, not a paced one's)."""
+        rows = self.scan_entities(kind, after_added_id, limit)
+        return [(r[1], r[2]) for r in rows], ",".join([f"{r[0]}:{r[3]}:{r[1].hex()}" for r in rows])
+
+    def stamps_text(self, kind: str, after: int, last: int, *, packed: bool = False) -> str:
+        """The rows with ``after < added_id <= last`` as one string,
+        ``added_id:updated:id in hex`` joined by commas in ``added_id`` order:
+        the same text as :meth:`scan_bodies` gave for them exactly when none of
+        them changed, went or came since (``packed``: as for
+        :meth:`scan_bodies`, the server may build it)."""
         d = self.dialect
         sql = (
-            f"SELECT id, updated FROM {d.q(kind)} "
-            f"WHERE added_id > {d.param} AND added_id <= {d.param}"
+            f"SELECT added_id, updated, id FROM {d.q(kind)} "
+            f"WHERE added_id > {d.param} AND added_id <= {d.param} ORDER BY added_id"
         )
-        return {bytes(r[0]): int(r[1]) for r in self.fetchall(sql, [after, last])}
+        rows = self.fetchall(sql, [after, last])
+        return ",".join([f"{int(a)}:{int(u)}:{bytes(i).hex()}" for a, u, i in rows])
 
     def versions(self, kind: str, ids: Sequence[bytes]) -> dict[bytes, tuple[int, int]]:
         """``{id: (version, updated)}`` of the ids present."""

@@ -10,9 +10,10 @@ has ``claimed``: when its row was claimed, in microseconds.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from bagstore.errors import DuplicateValue
 
@@ -25,6 +26,8 @@ ENTITY_ID = "entity_id"
 BUCKET = "bagstore_bucket"
 CLAIMED = "claimed"
 RESERVED = frozenset({ENTITY_ID, BUCKET, CLAIMED})
+
+T = TypeVar("T")
 
 
 def index_layout(columns: Sequence[str], unique: bool) -> frozenset[str]:
@@ -255,6 +258,8 @@ class IndexOps:
     scans: int
     schema: str | None
     index_rows_per_statement: int
+    bulk_rows_per_statement: int
+    max_statement_bytes: int
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         raise NotImplementedError
@@ -271,6 +276,17 @@ class IndexOps:
         raise NotImplementedError
 
     def _executescript(self, statements: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def run(self, work: Callable[..., T], *args: Any, attempts: int = 3) -> T:
+        raise NotImplementedError
+
+    def transaction(self, conn: Any) -> AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    def _locked_read(
+        self, cur: Any, kind: str, buckets: Sequence[int], ids: Sequence[bytes]
+    ) -> list[tuple[Any, ...]]:
         raise NotImplementedError
 
     def check_owned(self, buckets: Sequence[int]) -> None:
@@ -354,6 +370,43 @@ class IndexOps:
                 self.check_owned([r.bucket for r in chunk])
             written += n
         return written
+
+    def bulk_insert_index_rows(
+        self,
+        table: str,
+        columns: Sequence[str],
+        rows: Sequence[IndexRow],
+        *,
+        claimed: int | None = None,
+    ) -> int:
+        """A flat-out backfill's insert: one transaction that share-locks the
+        ownership rows of the rows' buckets (raising StalePlacement or
+        KeyMigrating, nothing written, unless this shard owns them all), then
+        inserts the rows, leaving existing ones alone, in multi-row statements
+        as large as the driver's limits allow.  Fenced as
+        :meth:`insert_index_rows` is, with one commit and plain ``VALUES``
+        lists instead of a statement a few hundred rows long per commit."""
+        if not rows:
+            return 0
+        cols = (*columns, ENTITY_ID, BUCKET) + ((CLAIMED,) if claimed is not None else ())
+        extra = (claimed,) if claimed is not None else ()
+        # (bytes of a row as sent: keys, id, bucket, claimed; escaped up to twice)
+        size = 2 * (sum(map(len, rows[0].keys)) + 40) + 16 * len(cols)
+        step = max(1, min(self.bulk_rows_per_statement, self.max_statement_bytes // size))
+        buckets = sorted({r.bucket for r in rows})
+
+        def work(conn: Any) -> int:
+            written = 0
+            with self.transaction(conn) as cur:
+                self._locked_read(cur, table, buckets, [])
+                for start in range(0, len(rows), step):
+                    chunk = rows[start : start + step]
+                    params = [v for r in chunk for v in (*r.keys, r.entity_id, r.bucket, *extra)]
+                    cur.execute(self.sql("insert_ignore_sql", table, cols, len(chunk)), params)
+                    written += max(0, int(cur.rowcount))
+            return written
+
+        return self.run(work)
 
     def delete_index_rows(
         self,
