@@ -423,3 +423,29 @@ def test_generated_rows_round_trip_with_their_types(
             assert back is not None and back.as_dict() == row.as_dict()
             for name, value in row.as_dict().items():
                 assert type(getattr(back, name)) is type(value), name
+
+
+def test_update_and_delete_are_conditional_on_the_version_loaded(
+    photos: bagstore.Table[Photo],
+) -> None:
+    row = photos.insert(Photo(user_id=1, title="a", posted_date=date(2010, 1, 1)))
+    assert row.pk is not None
+    mine, theirs = photos.load(1, row.pk), photos.load(1, row.pk)
+    assert mine is not None and theirs is not None
+    theirs.title = "theirs"
+    assert photos.update(theirs) is True
+    mine.title = "mine"
+    with pytest.raises(bagstore.Conflict) as refused:
+        photos.update(mine)
+    assert refused.value.id == id_of_pk(row.pk) and refused.value.found > 0
+    stored = photos.load(1, row.pk)
+    assert stored is not None and stored.title == "theirs"
+    # a delete of the stale row is refused too, and leaves the row
+    with pytest.raises(bagstore.Conflict):
+        photos.delete(mine)
+    assert photos.load(1, row.pk) is not None
+    # inserting a key that is stored already is refused (expect_version=0)
+    with pytest.raises(bagstore.Conflict):
+        photos.insert(Photo(photo_id=row.pk, user_id=1, title="again"))
+    again = photos.load(1, row.pk)
+    assert again is not None and again.title == "theirs"

@@ -107,24 +107,17 @@ def _read_with_version(
     return None if stored is None else (codec.decode(stored.body), stored.version)
 
 
-def _put_expecting_version(ds: Datastore, entity: dict[str, Any], version: int) -> int | None:
+def _put_expecting_version(ds: Datastore, entity: dict[str, Any], version: int) -> None:
     """Store ``entity`` only if its stored version is still ``version`` (0: only
-    if it does not exist yet); return the new version when known.
-
-    For now a plain ``ds.put``: it MUST become ``ds.put(entity,
-    expect_version=version)`` (raising ``bagstore.Conflict``) once the facade
-    has it; nothing else in this module checks versions."""
-    ds.put(entity)
-    return None
+    if it does not exist yet), else raise :class:`bagstore.Conflict` with
+    nothing changed."""
+    ds.put(entity, expect_version=version)
 
 
 def _delete_expecting_version(ds: Datastore, entity_id: bytes, version: int | None) -> bool:
     """Delete the entity only if its stored version is still ``version`` (None:
-    whatever it is); whether it existed.
-
-    For now a plain ``ds.delete``: it MUST become ``ds.delete(entity_id,
-    expect_version=version)`` once the facade has it."""
-    return ds.delete(entity_id)
+    whatever it is; else :class:`bagstore.Conflict`); whether it existed."""
+    return ds.delete(entity_id, expect_version=version)
 
 
 class Table(Generic[M]):
@@ -221,7 +214,8 @@ class Table(Generic[M]):
         if pk is None:
             pk = values[self._pk] = self.sequence.next()
         body = {**values, "id": id_of_pk(pk)}
-        version = _put_expecting_version(self.ds, body, 0)
+        _put_expecting_version(self.ds, body, 0)
+        version = None
         row.__dict__[self._pk] = pk
         row._stored, row._version = body, version
         return row
@@ -250,8 +244,8 @@ class Table(Generic[M]):
                 raise RowMissing(f"{self.model.__name__} {pk} is not stored (deleted?)")
             before, version = found
         body = {**before, **changed, "id": entity_id}
-        new_version = _put_expecting_version(self.ds, body, version)
-        row._stored, row._version = body, new_version
+        _put_expecting_version(self.ds, body, version)
+        row._stored, row._version = body, None
         return True
 
     def delete(self, row: M) -> bool:
