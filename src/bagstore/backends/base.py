@@ -233,12 +233,6 @@ class Dialect:
             f"(SELECT 1 FROM bagstore_owned WHERE bucket = {p} AND state = 0{self.share_lock})"
         )
 
-    def version_type_sql(self) -> str | None:
-        """The type of a table's ``version`` column (the table named by the one
-        parameter), where older stores made it too narrow for
-        :mod:`bagstore.versions`; None where every integer column is wide."""
-        return None
-
     def widen_version_sql(self, kind: str) -> list[str]:
         return []
 
@@ -611,17 +605,8 @@ class Backend(BucketOps, IndexOps):
 
     def _widen_version(self, kind: str) -> None:
         """Give a table made by an older bagstore a ``version`` column wide
-        enough for :mod:`bagstore.versions` (MySQL: INT to BIGINT, which
-        rebuilds the table once)."""
-        sql = self.dialect.version_type_sql()
-        if sql is None:
-            return
-        rows = self.fetchall(sql, [kind])
-        found = rows[0][0] if rows else None
-        found = found.decode() if isinstance(found, bytes) else found
-        if found is not None and str(found).lower() != "bigint":
-            log.warning("shard %s: widening %s.version to BIGINT (once)", self.name, kind)
-            self._executescript(self.dialect.widen_version_sql(kind))
+        enough for :mod:`bagstore.versions` (MySQL's INT to BIGINT); nothing to
+        do where every integer column is wide (SQLite)."""
 
     def _check_entities_table(self, kind: str) -> None:
         columns = self.table_columns(kind)

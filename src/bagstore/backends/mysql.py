@@ -32,6 +32,7 @@ that broke makes the next statement re-check where the primary is (see
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -61,6 +62,11 @@ INIT_COMMAND = f"SET time_zone = '+00:00', sql_mode = '{SQL_MODE}', group_concat
 _STAMPS = (
     "GROUP_CONCAT(added_id, ':', updated, ':', LOWER(HEX(id)) ORDER BY added_id SEPARATOR ',')"
 )
+
+log = logging.getLogger(__name__)
+#: A table that does not exist (ER_NO_SUCH_TABLE); a BIGINT column's type in
+#: result metadata (MYSQL_TYPE_LONGLONG).
+_NO_SUCH_TABLE, _LONGLONG = 1146, 8
 
 # Client and server error codes, shared by PyMySQL and mysqlclient.
 _UNAVAILABLE = {
@@ -195,12 +201,6 @@ class MySQLDialect(Dialect):
             f"KEY entity_id (entity_id)) {_ENGINE}"
         ]
 
-    def columns_sql(self) -> str:
-        return (
-            "SELECT column_name FROM information_schema.columns "
-            "WHERE table_schema = DATABASE() AND table_name = %s"
-        )
-
     def fenced_insert_sql(
         self, table: str, columns: Sequence[str], rows: int, *, ignore: bool
     ) -> str:
@@ -218,12 +218,6 @@ class MySQLDialect(Dialect):
             f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
             "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
             "version = VALUES(version), body = VALUES(body)"
-        )
-
-    def version_type_sql(self) -> str | None:
-        return (
-            "SELECT data_type FROM information_schema.columns WHERE table_schema = DATABASE() "
-            "AND table_name = %s AND column_name = 'version'"
         )
 
     def widen_version_sql(self, kind: str) -> list[str]:
@@ -326,6 +320,36 @@ class MySQLBackend(Backend):
             self._tracking_class = tracking_connection(self._driver)
         self._pool: Pool[Any] = self._new_pool()
         self._limits_known = False
+
+    def _columns(self, table: str) -> dict[str, int]:
+        """``{column name: protocol type code}`` of ``table`` here (empty if
+        there is no such table), from a ``SELECT ... LIMIT 0``'s result
+        metadata: no information_schema query, whose temporary table some
+        MariaDB 10.11 builds crash on while other sessions drop databases."""
+        sql = f"SELECT * FROM {self.dialect.q(check_identifier(table, 'table name'))} LIMIT 0"
+
+        def work(conn: Any) -> dict[str, int]:
+            cur = conn.cursor()
+            try:
+                cur.execute(sql)
+                return {str(d[0]).lower(): int(d[1]) for d in cur.description}
+            except self._driver.ProgrammingError as exc:
+                if exc.args and exc.args[0] == _NO_SUCH_TABLE:
+                    return {}
+                raise
+            finally:
+                cur.close()
+
+        return self.run(work)
+
+    def table_columns(self, table: str) -> frozenset[str]:
+        return frozenset(self._columns(table))
+
+    def _widen_version(self, kind: str) -> None:
+        found = self._columns(kind).get("version")
+        if found is not None and found != _LONGLONG:
+            log.warning("shard %s: widening %s.version to BIGINT (once)", self.name, kind)
+            self._executescript(self.dialect.widen_version_sql(kind))
 
     def _new_pool(self) -> Pool[Any]:
         return Pool(
