@@ -128,6 +128,28 @@ def test_queries_read_replicas_and_cache_fills_read_the_primary(
         assert cached.stats()["reads"] == {}  # a cache fill: from the primary, not routed
 
 
+def test_a_query_whose_replica_stops_answering_is_answered_by_the_primary(
+    group: ReplicationGroup, db: str
+) -> None:
+    index = bagstore.Index("index_user", ["user_id"], shard_on="user_id")
+    with _open(group, db, indexes=[index]) as writer:
+        for n in range(5):
+            writer.put({"user_id": b"u2", "n": n})
+    group.sync()
+    with _open(
+        group, db, indexes=[index], read_from="replica", connect_timeout=0.5, read_timeout=0.5
+    ) as ds:
+        for _ in range(2):  # each replica has reached this process's position
+            assert len(ds.query(user_id=b"u2")) == 5
+        # so a replica is chosen for a scan without a statement, and stops
+        # answering then
+        with paused(group.replicas[0]), paused(group.replicas[1]):
+            got = ds.query(user_id=b"u2")
+            assert sorted(e["n"] for e in got) == [0, 1, 2, 3, 4]
+            assert sorted(e["n"] for e in index.get_all(ds, user_id=b"u2")) == [0, 1, 2, 3, 4]
+        assert ds.stats()["replicas"]["fallbacks"] >= 1
+
+
 def test_bad_read_options_are_refused(group: ReplicationGroup, db: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="read_from"):
         _open(group, db, read_from="nearest")

@@ -77,8 +77,10 @@ class Queries:
                 state=state,
             )
         plan = plan_query(index, parse_filters(filters), order)
-        if self.reads.uncached():
-            return execute(self.reads, plan, limit=limit, cursor=cursor)  # no cache level
+        if self.reads.uncached():  # no cache level
+            return self.reads.on_replicas(
+                lambda: execute(self.reads, plan, limit=limit, cursor=cursor)
+            )
         return self.reads.cache.read_list(
             plan,
             limit,
@@ -121,7 +123,9 @@ class Queries:
                 chosen,
                 limit,
                 cursor,
-                lambda: execute(self.reads, chosen, limit=limit, cursor=cursor),
+                lambda: self.reads.on_replicas(
+                    lambda: execute(self.reads, chosen, limit=limit, cursor=cursor)
+                ),
                 self.reads.fetch_many,
             )
         if building:

@@ -27,6 +27,7 @@ from bagstore import codec
 from bagstore.backends import Backend, Stored
 from bagstore.backends.base import TOGETHER_MAX_IDS, read_bodies_together
 from bagstore.cache.request import _current as _current_request
+from bagstore.errors import BackendError
 from bagstore.query import Plan, _Stream, merged_eq, shard_scans
 from bagstore.sharding.hashing import bucket_of
 from bagstore.sharding.replicas import check_read_from
@@ -85,6 +86,21 @@ class Reads:
             yield
         finally:
             _read_from.reset(token)
+
+    def on_replicas(self, run: Callable[[], T]) -> T:
+        """``run()``, a query that may scan replicas (``read_from="replica"``);
+        when a replica it chose fails meanwhile (dies, is stopped), the query
+        runs once more on the primaries: a dead replica is skipped, never an
+        error while the primary answers."""
+        if self.mode() == "primary":
+            return run()
+        try:
+            return run()
+        except BackendError as exc:
+            if not self.router.replication.failed(exc):
+                raise
+        with self.reading("primary"):
+            return run()
 
     # -- by id ---------------------------------------------------------------------
     def get(self, entity_id: bytes, read_from: str | None = None) -> dict[str, Any] | None:

@@ -303,6 +303,20 @@ class Replication:
         self._count_read(str(b.server))
         return result
 
+    def failed(self, exc: BackendError) -> bool:
+        """Whether ``exc`` came from a replica (one chosen for a query's scan
+        that failed meanwhile): if so it is skipped for ``DOWN_FOR`` seconds
+        and the caller reads the primary instead (counted as a fallback)."""
+        for readers in list(self._readers.values()):
+            for reader in readers:
+                if reader.name == exc.shard:
+                    address = str(reader.server)
+                    log.info("replica %s skipped for %gs: %s", address, DOWN_FOR, exc)
+                    self._down[address] = time.monotonic() + DOWN_FOR
+                    self._count("fallbacks")
+                    return True
+        return False
+
     def _fresh(self, reader: MySQLBackend) -> bool:
         """Whether a replica is within ``max_lag`` (measured at most every
         half second; an unknown lag, replication stopped, is too far).  The
