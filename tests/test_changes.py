@@ -37,10 +37,16 @@ def test_writes_record_changes_in_order(topo: Topology) -> None:
     assert not ds.delete(b_ids[0])  # nothing deleted: no change
     changes, cursor = drain(ds)
     assert len(changes) == 13
-    of_a = [(c.op, c.version, c.entity) for c in changes if c.id == a]
-    assert of_a == [("put", 1, {"n": 1, "id": a}), ("put", 2, {"n": 2, "id": a})]
+    of_a = [(c.op, c.entity) for c in changes if c.id == a]
+    assert of_a == [("put", {"n": 1, "id": a}), ("put", {"n": 2, "id": a})]
+    first, second = (c.version for c in changes if c.id == a)
+    stored = ds.get_with_version(a)
+    assert stored is not None and 0 < first < second == stored[1]
     gone = [(c.op, c.version, c.entity) for c in changes if c.id == b_ids[0]]
-    assert gone == [("put", 1, {"n": 0, "id": b_ids[0]}), ("delete", 1, None)]
+    (put_op, put_version, put_body), (delete_op, delete_version, delete_body) = gone
+    assert (put_op, put_body) == ("put", {"n": 0, "id": b_ids[0]})
+    assert (delete_op, delete_body) == ("delete", None)
+    assert delete_version == put_version  # a delete records the version it removed
     # per bucket, positions 1, 2, 3... in the order read
     per_bucket: dict[int, list[int]] = {}
     for c in changes:
@@ -61,7 +67,11 @@ def test_without_bodies_and_off(topo: Topology) -> None:
     ds.feed.enable()
     entity_id = ds.put({"n": 1})
     page = ds.changes()
-    assert [(c.id, c.op, c.version, c.entity) for c in page] == [(entity_id, "put", 1, None)]
+    stored = ds.get_with_version(entity_id)
+    assert stored is not None
+    assert [(c.id, c.op, c.version, c.entity) for c in page] == [
+        (entity_id, "put", stored[1], None)
+    ]
     ds.feed.disable()
     ds.put({"n": 2})
     assert ds.changes(since=page.cursor) == []  # off: nothing more recorded
@@ -79,11 +89,9 @@ def test_changes_of_index_writes_and_batches(topo: Topology) -> None:
     changes, _ = drain(ds)
     assert len(changes) == 75
     for i in ids[:5]:
-        assert [(c.op, c.version) for c in changes if c.id == i] == [
-            ("put", 1),
-            ("put", 2),
-            ("delete", 2),
-        ]
+        (op1, v1), (op2, v2), (op3, v3) = [(c.op, c.version) for c in changes if c.id == i]
+        assert (op1, op2, op3) == ("put", "put", "delete")
+        assert 0 < v1 < v2 == v3  # a delete records the version it removed
 
 
 @pytest.mark.parametrize("point", ["put.before_entity", "put.after_entity"])
@@ -117,12 +125,16 @@ def test_rolled_back_transaction_has_no_change(
     with pytest.raises(RuntimeError):
         ds.put({"id": entity_id, "n": 2})
     monkeypatch.undo()
-    assert ds.get(entity_id) == {"id": entity_id, "n": 1}
+    stored = ds.get_with_version(entity_id)
+    assert stored == ({"id": entity_id, "n": 1}, stored[1] if stored else None)
+    assert stored is not None
     changes, _ = drain(ds)
-    assert [(c.id, c.version) for c in changes] == [(entity_id, 1)]
+    assert [(c.id, c.version) for c in changes] == [(entity_id, stored[1])]
     ds.put({"id": entity_id, "n": 2})
+    again = ds.get_with_version(entity_id)
+    assert again is not None and again[1] > stored[1]
     changes, _ = drain(ds)
-    assert [(c.id, c.version) for c in changes] == [(entity_id, 1), (entity_id, 2)]
+    assert [(c.id, c.version) for c in changes] == [(entity_id, stored[1]), (entity_id, again[1])]
 
 
 def test_bad_cursors(topo: Topology, tmp_path: Path) -> None:

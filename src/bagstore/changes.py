@@ -17,8 +17,10 @@ bucket's changes in their order.
     >>> ds.delete(entity_id)
     True
     >>> page = ds.changes()
-    >>> [(c.op, c.version, c.entity and c.entity["n"]) for c in page]
-    [('put', 1, 1), ('put', 2, 2), ('delete', 2, None)]
+    >>> [(c.op, c.entity and c.entity["n"]) for c in page]
+    [('put', 1), ('put', 2), ('delete', None)]
+    >>> page[0].version < page[1].version == page[2].version  # the delete: the version removed
+    True
     >>> ds.changes(since=page.cursor)
     []
     >>> ds.close()
