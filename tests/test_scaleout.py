@@ -412,7 +412,12 @@ def test_move_killed_by_sigkill_can_be_resumed_or_rolled_back(growth: Growth, en
         mover.resume()
     else:
         for bucket in unfinished:
-            mover.rollback(bucket)
+            try:
+                mover.rollback(bucket)
+            except bagstore.ConfigurationError as exc:
+                # killed after the placement switched, before the phase said so
+                assert "switched already" in str(exc)
+        mover.resume()  # what switched goes on (nothing, if all rolled back)
     assert fresh.catalog.moves() == {}
     fresh.refresh_placement(force=True)
     assert_placed(fresh)
