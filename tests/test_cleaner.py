@@ -309,7 +309,13 @@ def test_writers_killed_by_sigkill_lose_no_acknowledged_write(topo: Topology) ->
             print("P", entity_id.hex(), n, flush=True)
         """
     procs = [servers.spawn_python(writer) for _ in range(3)]
-    time.sleep(3)
+    # Until the writers are well under way: not a fixed sleep, since a loaded
+    # machine starts Python processes slowly.
+    watcher = topo.open()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and watcher.count() < 150:
+        time.sleep(0.1)
+    watcher.close()
     for p in procs:
         p.send_signal(signal.SIGKILL)
     acked: dict[bytes, int | None] = {}
