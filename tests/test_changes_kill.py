@@ -147,7 +147,7 @@ def _run(topo: Topology, tmp_path: Path, rounds: int) -> None:
     # the consumer, killed and restarted: every change handled, at least once
     handled = {tuple(json.loads(line)) for line in log.read_text().splitlines() if line}
     finish = ds.subscribe("killed", lambda cs: handled.update(
-        (c.id.hex(), c.op, c.version, c.bucket, c.position) for c in cs))  # fmt: skip
+        (c.id.hex(), c.op, c.version, c.bucket, c.position) for c in cs), lease=2.0)  # fmt: skip
     deadline = time.monotonic() + 60  # the killed process's leases lapse in 2 s
     while finish.poll() or ds.feed.consumers()[0]["lag_changes"]:
         assert time.monotonic() < deadline
