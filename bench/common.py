@@ -340,6 +340,7 @@ def mysql_connect(
     driver: str = "pymysql",
     host: str | None = None,
     port: int | None = None,
+    **extra: Any,
 ) -> Any:
     """A raw DB-API connection with the session settings bagstore uses
     (autocommit, utf8mb4, UTC, strict sql_mode, ``_binary`` prefix); to the
@@ -353,6 +354,7 @@ def mysql_connect(
         "autocommit": True,
         "init_command": INIT_COMMAND,
         "binary_prefix": True,
+        **extra,
     }
     if database is not None:
         args["database"] = database
@@ -514,3 +516,135 @@ def open_env(
             env.extra[name] = make_store(name, n, idx, **kw)
             stack.callback(env.extra[name].close)
         yield env
+
+
+# -- raw connections, fresh shards, interleaved rounds, the suites' main -----------------
+
+
+def sqlite_connect(path: str) -> sqlite3.Connection:
+    """A raw SQLite connection with bagstore's settings (WAL, synchronous=NORMAL),
+    autocommit, usable from any thread, waiting up to 120 s for a lock."""
+    conn = sqlite3.connect(path, timeout=120, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+def connect_target(target: str, driver: str = "pymysql", **extra: Any) -> Any:
+    """A raw autocommit connection to a SQLite file (a path) or a database of the
+    bench's MariaDB server (a name)."""
+    if os.sep in target:
+        return sqlite_connect(target)
+    return mysql_connect(target, driver=driver, **extra)
+
+
+@dataclass
+class Shards:
+    """Fresh, empty shards: bagstore URLs and, for raw connections, their targets
+    (SQLite file paths or MariaDB database names)."""
+
+    urls: list[str]
+    targets: list[str]
+
+    def connect(self, i: int, **extra: Any) -> Any:
+        return connect_target(self.targets[i], **extra)
+
+
+@contextlib.contextmanager
+def fresh_shards(backend: str, n: int, prefix: str = "bagbench") -> Iterator[Shards]:
+    """``n`` fresh shards (SQLite files in a temp directory, or databases on the
+    MariaDB server), removed afterwards."""
+    import tempfile
+
+    if backend == "sqlite":
+        with tempfile.TemporaryDirectory(prefix=prefix + "_") as root:
+            paths = [os.path.join(root, f"s{i}.db") for i in range(n)]
+            yield Shards([f"sqlite:///{p}" for p in paths], paths)
+    else:
+        with temp_databases(n, prefix) as names:
+            yield Shards([mysql_url(x) for x in names], names)
+
+
+def alternate(sides: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Run each side's round (returning its rate) ``rounds`` times, the order
+    reversed every other round; the rates by side."""
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    order = list(sides)
+    for i in range(rounds):
+        for name in order if i % 2 == 0 else reversed(order):
+            rates[name].append(sides[name]())
+    return rates
+
+
+def paired(
+    metric: str, bag: Sequence[float], raw: Sequence[float], goal: float | str = "", **kw: Any
+) -> Row:
+    """A row of medians of interleaved rates, the ratio the median of the
+    per-round ratios; ``goal`` a least ratio (``>= 0.9x``) or a word."""
+    ratio = statistics.median(b / r for b, r in zip(bag, raw, strict=True))
+    met = None if isinstance(goal, str) else ratio >= goal
+    text = goal if isinstance(goal, str) else f">= {goal}x"
+    return Row(metric, statistics.median(bag), statistics.median(raw), ratio, text, met, **kw)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def label_of(backend: str) -> str:
+    return "mariadb" if backend == "mysql" else backend
+
+
+#: an option of a suite: (type, default, --quick default, help)
+Option = tuple[type, Any, Any, str]
+
+
+def suite_args(
+    argv: list[str] | None,
+    description: str,
+    options: Mapping[str, Option],
+    backends: Sequence[str] = ("sqlite", "mysql"),
+) -> argparse.Namespace:
+    """The common options (``--backend``, ``--quick``, ``--format``) and the
+    suite's own, whose defaults ``--quick`` replaces."""
+    p = argparse.ArgumentParser(description=description)
+    add_common_args(p, backends)
+    for name, (kind, full, _, help_) in options.items():
+        p.add_argument("--" + name, type=kind, default=None, help=f"{help_} (default {full})")
+    args = p.parse_args(argv)
+    for name, (_, full, quick, _) in options.items():
+        key = name.replace("-", "_")
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+        value = getattr(args, key)
+        if isinstance(value, int | float) and value < 0:
+            p.error(f"--{name} must not be negative")
+    return args
+
+
+def run_suite(
+    args: argparse.Namespace,
+    title: str,
+    run_backend: Callable[[str, argparse.Namespace], Sequence[Row]],
+) -> int:
+    """Run ``run_backend`` for each backend asked for (MariaDB left out with a
+    line when it does not answer), then print the table; a backend that fails
+    is reported and the others still run (exit code 1)."""
+    backends = plan(args.backend)
+    if backends is None:
+        return 2
+    print_machine(args.format)
+    started = time.perf_counter()
+    rows: list[Row] = []
+    failed: list[str] = []
+    for backend in backends:
+        try:
+            rows += run_backend(backend, args)
+        except Exception as exc:  # report it, run the others
+            failed.append(f"{backend}: {type(exc).__name__}: {exc}")
+            log(f"FAILED {failed[-1]}")
+    print_rows(title, rows, fmt=args.format)
+    for line in failed:
+        print(f"FAILED {line}")
+    log(f"total {time.perf_counter() - started:.0f}s")
+    return 1 if failed else 0
