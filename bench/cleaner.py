@@ -42,30 +42,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sqlite3
-import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import bagstore
 from bagstore import codec, keys
-from bagstore.backends.sqlite import SQLiteBackend
 from bagstore.sharding.hashing import bucket_of
 from bench.common import (
     Row,
-    add_common_args,
+    fresh_shards,
     friendfeed_entity,
-    mysql_connect,
-    mysql_url,
-    plan,
-    print_machine,
-    print_rows,
+    label_of,
+    log,
+    paired,
     rows_of,
-    temp_databases,
+    run_suite,
+    suite_args,
 )
 from bench.live import KIND, WriterSpec, raw_row, raw_upsert_sql, timed_beside
 
@@ -79,10 +74,6 @@ GOAL_CEILING, GOAL_HAND = 0.5, 0.9
 GOAL_P99_RATIO, GOAL_STALL = 2.0, 0.050
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 @dataclass
 class Side:
     """One backend: the one-shard store, a raw connection to its shard, and the
@@ -90,7 +81,7 @@ class Side:
 
     backend: str
     ds: Any
-    bag_target: Any  # for the writer: shard URLs or the SQLite root
+    bag_target: Any  # for the writer: shard URLs
     shard: Any  # DB-API connection to the store's one shard database / file
     doc_target: str  # baseline database name / file path
     doc: Any  # DB-API connection to it
@@ -118,38 +109,20 @@ def open_side(backend: str) -> Iterator[Side]:
     from bagstore.backends.mysql import MySQLDialect
     from bagstore.backends.sqlite import SQLiteDialect
 
-    with contextlib.ExitStack() as stack:
-        if backend == "mysql":
-            names = stack.enter_context(temp_databases(2, prefix="bst_bench_cln"))
-            urls = [mysql_url(names[0])]
-            ds = bagstore.Datastore(urls)
-            shard: Any = mysql_connect(names[0])
-            doc: Any = mysql_connect(names[1])
-            dialect: Any = MySQLDialect()
-            side = Side(backend, ds, urls, shard, names[1], doc, dialect)
-            doc_column = "ALTER TABLE entities ADD COLUMN doc JSON NOT NULL"
-        else:
-            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bst_bench_cln_"))
-            ds = bagstore.open(os.path.join(root, "bag"), shards=1)
-            shard = _lite(cast(SQLiteBackend, ds.router.backends[0]).path)
-            doc = _lite(os.path.join(root, "raw.db"))
-            dialect = SQLiteDialect()
-            side = Side(backend, ds, os.path.join(root, "bag"), shard, "", doc, dialect)
-            side.doc_target = os.path.join(root, "raw.db")
-            doc_column = "ALTER TABLE entities ADD COLUMN doc TEXT NOT NULL DEFAULT '{}'"
-        stack.callback(ds.close)
-        stack.callback(shard.close)
-        stack.callback(doc.close)
-        for sql in [*dialect.create_entities_sql(KIND), doc_column]:
-            side.run(doc, sql)
-        yield side
-
-
-def _lite(path: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, timeout=120, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    return conn
+    with fresh_shards(backend, 2, "bst_bench_cln") as shards:
+        ds = bagstore.Datastore(shards.urls[:1])
+        shard, raw = shards.connect(0), shards.connect(1)
+        dialect: Any = MySQLDialect() if backend == "mysql" else SQLiteDialect()
+        side = Side(backend, ds, shards.urls[:1], shard, shards.targets[1], raw, dialect)
+        doc = "JSON NOT NULL" if backend == "mysql" else "TEXT NOT NULL DEFAULT '{}'"
+        try:
+            for sql in [*dialect.create_entities_sql(KIND), f"ALTER TABLE {KIND} ADD doc {doc}"]:
+                side.run(raw, sql)
+            yield side
+        finally:
+            ds.close()
+            shard.close()
+            raw.close()
 
 
 def load(side: Side, rows: int) -> None:
@@ -317,7 +290,7 @@ def ddl_statements(backend: str) -> tuple[list[str], list[str]]:
 
 
 def with_writer(side: Side, rows: int, args: argparse.Namespace) -> list[Row]:
-    label = "mariadb" if side.backend == "mysql" else side.backend
+    label = label_of(side.backend)
     ds = side.ds
     ds.retire_index(TABLE)
     ds.drop_index(TABLE)
@@ -373,73 +346,38 @@ def with_writer(side: Side, rows: int, args: argparse.Namespace) -> list[Row]:
 
 
 def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
-    rows = args.rows
-    label = "mariadb" if backend == "mysql" else backend
+    rows, label = args.rows, label_of(backend)
     log(f"[{backend}] {rows:,} entities, one shard, {args.rounds} rounds")
     with open_side(backend) as side:
         load(side, rows)
         rates = flat_out(side, rows, args.rounds)
-        ratio_c = statistics.median(
-            b / c for b, c in zip(rates["bag"], rates["ceiling"], strict=True)
-        )
-        ratio_h = statistics.median(b / h for b, h in zip(rates["bag"], rates["hand"], strict=True))
-        bag = statistics.median(rates["bag"])
+        what = f"backfill flat out vs {{}}, {rows:,} rows (rows/s)"
         out = [
-            Row(
-                f"{label}: backfill flat out vs raw-insert ceiling, {rows:,} rows (rows/s)",
-                bag,
-                statistics.median(rates["ceiling"]),
-                ratio_c,
-                f">= {GOAL_CEILING}x (aim 0.8x)",
-                ratio_c >= GOAL_CEILING,
-            ),
-            Row(
-                f"{label}: backfill flat out vs a Python loop by hand, {rows:,} rows (rows/s)",
-                bag,
-                statistics.median(rates["hand"]),
-                ratio_h,
-                f">= {GOAL_HAND}x",
-                ratio_h >= GOAL_HAND,
-            ),
-        ]
+            paired(f"{label}: " + what.format("raw-insert ceiling"), rates["bag"],
+                   rates["ceiling"], GOAL_CEILING),
+            paired(f"{label}: " + what.format("a Python loop by hand"), rates["bag"],
+                   rates["hand"], GOAL_HAND),
+        ]  # fmt: skip
+        out[0].goal += " (aim 0.8x)"
         if args.rate > 0:
             out += with_writer(side, rows, args)
     return out
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="the Cleaner's backfill beside raw SQL")
-    add_common_args(p)
-    p.add_argument("--rows", type=int, default=None, help="entities (100,000; --quick 5,000)")
-    p.add_argument("--rounds", type=int, default=None, help="flat-out rounds (3; --quick 1)")
-    p.add_argument("--rate", type=float, default=500.0, help="writer puts/s (0: no writer part)")
-    p.add_argument("--before", type=float, default=None, help="seconds of writes before (3)")
-    args = p.parse_args(argv)
-    args.rows = args.rows or (5_000 if args.quick else 100_000)
-    args.rounds = args.rounds or (1 if args.quick else 3)
-    args.before = args.before if args.before is not None else (1.0 if args.quick else 3.0)
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m bench.cleaner``."""
-    args = parse_args(argv)
-    backends = plan(args.backend)
-    if backends is None:
-        return 2
-    print_machine(args.format)
-    started = time.perf_counter()
-    rows: list[Row] = []
-    for backend in backends:
-        rows += run_backend(backend, args)
-    print_rows(
+    options = {
+        "rows": (int, 100_000, 5_000, "entities"),
+        "rounds": (int, 3, 1, "flat-out rounds"),
+        "rate": (float, 500.0, 500.0, "writer puts/s (0: no writer part)"),
+        "before": (float, 3.0, 1.0, "seconds of writes before"),
+    }
+    args = suite_args(argv, "the Cleaner's backfill beside raw SQL", options)
+    title = (
         f"bench.cleaner: index backfill, bagstore vs raw SQL doing the same work (rows/s; "
-        f"medians of {args.rounds} rounds; the writer rows: one run)",
-        rows,
-        fmt=args.format,
+        f"medians of {args.rounds} rounds; the writer rows: one run)"
     )
-    log(f"total {time.perf_counter() - started:.0f}s")
-    return 0
+    return run_suite(args, title, run_backend)
 
 
 if __name__ == "__main__":

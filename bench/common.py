@@ -176,6 +176,7 @@ def compare(
     """Time ``work`` on both sides: a warm-up, then ``rounds`` interleaved
     rounds of the same number of calls, bagstore first in even rounds, raw
     first in odd ones."""
+    t0 = time.perf_counter()
     n = _calibrate(work, seconds, min_ops, max_ops)
     bag: list[Sample] = []
     raw: list[Sample] = []
@@ -186,7 +187,12 @@ def compare(
         for side, fn, out in order:
             inputs = work.inputs(n, side)
             out.append(_run_round(fn, inputs, work.units))
-    return Result(work.name, backend, bag, raw)
+    r = Result(work.name, backend, bag, raw)
+    log(
+        f"  {backend:18} {work.name:34} bagstore {r.bag_rate:>10,.0f}/s  raw {r.raw_rate:>10,.0f}/s"
+        f"  ratio {r.ratio:.2f}  ({time.perf_counter() - t0:.1f}s)"
+    )
+    return r
 
 
 # -- printing: one table per bench, one row per metric -----------------------------------
@@ -470,51 +476,35 @@ def open_env(
     ``extra_stores`` (``{name: (shards, indexes, keywords)}``) opens more
     datastores in ``env.extra[name]``, each on its own fresh databases.
     """
-    import tempfile
-
     import bagstore
     from bagstore.backends.mysql import MySQLDialect
     from bagstore.backends.sqlite import SQLiteDialect
 
+    if backend not in ("sqlite", "mysql"):
+        raise ValueError(f"unknown backend {backend!r}")
     extra_stores = extra_stores or {}
+    total = shards + sum(spec[0] for spec in extra_stores.values()) + 1
     with contextlib.ExitStack() as stack:
-        if backend == "sqlite":
-            dialect: Any = SQLiteDialect()
-            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bagbench_"))
+        fresh = stack.enter_context(fresh_shards(backend, total))
+        mysql = backend == "mysql"
+        dialect: Any = MySQLDialect() if mysql else SQLiteDialect()
+        urls = [mysql_url(t, driver=driver) for t in fresh.targets] if mysql else fresh.urls
+        free = iter(urls[1:])
 
-            def make_store(name: str, n: int, idx: Sequence[Any], **kw: Any) -> Any:
-                return bagstore.open(os.path.join(root, name), indexes=idx, shards=n, **kw)
+        def make_store(n: int, idx: Sequence[Any], **kw: Any) -> Any:
+            ds = bagstore.Datastore([next(free) for _ in range(n)], indexes=idx, **kw)
+            stack.callback(ds.close)
+            return ds
 
-            raw: Any = sqlite3.connect(os.path.join(root, "raw.db"), isolation_level=None)
-            raw.execute("PRAGMA journal_mode=WAL")
-            raw.execute("PRAGMA synchronous=NORMAL")
-            stack.callback(raw.close)
-            label = "sqlite"
-        elif backend == "mysql":
-            dialect = MySQLDialect()
-            total = shards + sum(spec[0] for spec in extra_stores.values()) + 1
-            names = stack.enter_context(temp_databases(total))
-            free = iter(names[1:])
-
-            def make_store(name: str, n: int, idx: Sequence[Any], **kw: Any) -> Any:
-                urls = [mysql_url(next(free), driver=driver) for _ in range(n)]
-                return bagstore.Datastore(urls, indexes=idx, **kw)
-
-            raw = mysql_connect(names[0], driver=driver)
-            stack.callback(raw.close)
-            label = f"mariadb/{driver}"
-        else:
-            raise ValueError(f"unknown backend {backend!r}")
+        raw = connect_target(fresh.targets[0], driver)
+        stack.callback(raw.close)
         for sql in raw_ddl(dialect) if raw_ddl else []:
-            cur = raw.cursor()
-            cur.execute(sql)
-            cur.close()
-        ds = make_store("bag", shards, indexes)
-        stack.callback(ds.close)
-        env = Env(label, dialect, ds, raw)
+            rows_of(raw, sql)
+        env = Env(
+            f"mariadb/{driver}" if mysql else "sqlite", dialect, make_store(shards, indexes), raw
+        )
         for name, (n, idx, kw) in extra_stores.items():
-            env.extra[name] = make_store(name, n, idx, **kw)
-            stack.callback(env.extra[name].close)
+            env.extra[name] = make_store(n, idx, **kw)
         yield env
 
 
@@ -595,8 +585,8 @@ def label_of(backend: str) -> str:
     return "mariadb" if backend == "mysql" else backend
 
 
-#: an option of a suite: (type, default, --quick default, help)
-Option = tuple[type, Any, Any, str]
+#: an option of a suite: (type or list of choices, default, --quick default, help)
+Option = tuple[Any, Any, Any, str]
 
 
 def suite_args(
@@ -610,7 +600,8 @@ def suite_args(
     p = argparse.ArgumentParser(description=description)
     add_common_args(p, backends)
     for name, (kind, full, _, help_) in options.items():
-        p.add_argument("--" + name, type=kind, default=None, help=f"{help_} (default {full})")
+        how = {"choices": kind} if isinstance(kind, list) else {"type": kind}
+        p.add_argument("--" + name, **how, default=None, help=f"{help_} (default {full})")
     args = p.parse_args(argv)
     for name, (_, full, quick, _) in options.items():
         key = name.replace("-", "_")
@@ -648,3 +639,78 @@ def run_suite(
         print(f"FAILED {line}")
     log(f"total {time.perf_counter() - started:.0f}s")
     return 1 if failed else 0
+
+
+# -- counting the statements a bagstore backend sends ----------------------------------------
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.db = 0
+        self.cache = 0
+
+
+class _Cursor:
+    def __init__(self, cur: Any, counter: Counter) -> None:
+        self._cur, self._counter = cur, counter
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        self._counter.db += 1
+        return self._cur.execute(*args, **kwargs)
+
+    def executemany(self, *args: Any, **kwargs: Any) -> Any:
+        self._counter.db += 1
+        return self._cur.executemany(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cur, name)
+
+
+class _Conn:
+    def __init__(self, conn: Any, counter: Counter, commits: bool) -> None:
+        self._conn, self._counter, self._commits = conn, counter, commits
+
+    def cursor(self, *args: Any) -> _Cursor:
+        return _Cursor(self._conn.cursor(*args), self._counter)
+
+    def commit(self) -> Any:
+        self._counter.db += self._commits
+        return self._conn.commit()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def count_statements(backend: Any, counter: Counter, *, commits: bool = True) -> None:
+    """Count in ``counter.db`` every statement ``backend`` sends through its
+    ``run`` (and each ``commit``, unless ``commits`` is false)."""
+    original = backend.run
+
+    def run(work: Any, *args: Any, **kw: Any) -> Any:
+        return original(lambda conn: work(_Conn(conn, counter, commits), *args), **kw)
+
+    backend.run = run
+
+
+def raw_connector(env: Env) -> Callable[[], Any]:
+    """A function opening another raw connection to ``env``'s raw database."""
+    if env.dialect.name == "sqlite":
+        target = env.raw.execute("PRAGMA database_list").fetchone()[2]
+    else:
+        (target,) = rows_of(env.raw, "SELECT DATABASE()")[0]
+    driver = "mysqlclient" if "mysqlclient" in env.label else "pymysql"
+    return lambda: connect_target(target, driver)
+
+
+def in_threads(n: int, body: Callable[[int], object]) -> float:
+    """``body(k)`` for k in 0..n-1, each in a thread of its own, all at once;
+    the seconds until the last one ended."""
+    import threading
+
+    threads = [threading.Thread(target=body, args=(k,)) for k in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0

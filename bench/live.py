@@ -15,7 +15,6 @@ import json
 import multiprocessing
 import os
 import random
-import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import Any
 import bagstore
 from bagstore import codec
 from bagstore.sharding.hashing import bucket_of
-from bench.common import friendfeed_entity, mysql_connect
+from bench.common import connect_target, friendfeed_entity
 
 KIND = "entities"
 RAW_COLUMNS = "id, bucket, updated, body, doc"
@@ -63,7 +62,7 @@ class WriterSpec:
 
     mode: str  # "bag" or "raw"
     backend: str  # "mysql" or "sqlite"
-    target: Any  # bag: shard URLs / SQLite root; raw: database name / file path
+    target: Any  # bag: shard URLs; raw: database name / file path
     rate: float
     update_ids: list[bytes] = field(default_factory=list)
     update_share: float = 0.1  # the share of puts that rewrite a loaded entity
@@ -72,19 +71,10 @@ class WriterSpec:
 
 def _open(spec: WriterSpec) -> tuple[Callable[[dict[str, Any]], object], Callable[[], None]]:
     if spec.mode == "bag":
-        ds = (
-            bagstore.open(spec.target)
-            if spec.backend == "sqlite"
-            else bagstore.Datastore(spec.target)
-        )
+        ds = bagstore.Datastore(spec.target)
         return ds.put, ds.close
     sql = raw_upsert_sql(spec.backend, 1)
-    if spec.backend == "mysql":
-        conn: Any = mysql_connect(spec.target)
-    else:
-        conn = sqlite3.connect(spec.target, timeout=120, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
+    conn = connect_target(spec.target)
     cur = conn.cursor()
 
     def put(e: dict[str, Any]) -> None:
