@@ -44,7 +44,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,7 @@ from bagstore import codec, keys
 from bagstore.sharding.hashing import bucket_of
 from bench.common import (
     Row,
+    alternate,
     fresh_shards,
     friendfeed_entity,
     label_of,
@@ -62,7 +63,7 @@ from bench.common import (
     run_suite,
     suite_args,
 )
-from bench.live import KIND, WriterSpec, raw_row, raw_upsert_sql, timed_beside
+from bench.live import KIND, WriterSpec, raw_row, raw_upsert_sql, timed_beside, writer_rows
 
 TABLE = "index_user_id"
 INDEX = bagstore.Index(TABLE, ["user_id"])
@@ -228,41 +229,34 @@ def bag_backfill(side: Side, duty: float = 0.0, batch: int | None = None) -> flo
 
 def flat_out(side: Side, rows: int, rounds: int) -> dict[str, list[float]]:
     """Rates (rows/s) of the three builds, round by round."""
-    rates: dict[str, list[float]] = {"bag": [], "ceiling": [], "hand": []}
 
-    def bag() -> None:
+    def bag() -> float:
         seconds = bag_backfill(side)
         got = count(side, TABLE)
         assert got == rows, f"the backfill left {got:,} index rows for {rows:,} entities"
-        rates["bag"].append(rows / seconds)
+        return rows / seconds
 
-    def ceiling() -> None:
+    def ceiling() -> float:
         fresh_table(side, "ceiling_rows")
         statements = ceiling_statements(side, "ceiling_rows")
         t0 = time.perf_counter()
         for sql, params in statements:
             side.write(side.shard, sql, params)
-        rates["ceiling"].append(rows / (time.perf_counter() - t0))
+        rate = rows / (time.perf_counter() - t0)
         assert count(side, "ceiling_rows") == rows
         side.run(side.shard, "DROP TABLE ceiling_rows")
+        return rate
 
-    def hand() -> None:
+    def hand() -> float:
         fresh_table(side, "hand_rows")
         t0 = time.perf_counter()
         written = by_hand(side, "hand_rows")
-        rates["hand"].append(rows / (time.perf_counter() - t0))
+        rate = rows / (time.perf_counter() - t0)
         assert written == rows == count(side, "hand_rows")
         side.run(side.shard, "DROP TABLE hand_rows")
+        return rate
 
-    order: list[Callable[[], None]] = [bag, ceiling, hand]
-    for i in range(rounds):
-        for step in order if i % 2 == 0 else reversed(order):
-            step()
-        log(
-            f"  [{side.backend}] round {i + 1}: backfill {rates['bag'][-1]:,.0f} rows/s, "
-            f"ceiling {rates['ceiling'][-1]:,.0f}, by hand {rates['hand'][-1]:,.0f}"
-        )
-    return rates
+    return alternate({"bag": bag, "ceiling": ceiling, "hand": hand}, rounds)
 
 
 # -- with a writer: the Cleaner's default pace beside the database's own build ---------------
@@ -316,30 +310,10 @@ def with_writer(side: Side, rows: int, args: argparse.Namespace) -> list[Row]:
         f"{bb.p99 * 1e3:.1f} -> {bd.p99 * 1e3:.1f} ms; DDL {rows / rs:,.0f} rows/s, writer p99 "
         f"{rb.p99 * 1e3:.1f} -> {rd.p99 * 1e3:.1f} ms"
     )
-    where = f"writer {args.rate:,.0f}/s"
-    return [
-        Row(
-            f"{label}: backfill at the default pace vs own DDL, {where} (rows/s)",
-            rows / bs,
-            rows / rs,
-        ),
-        Row(
-            f"{label}: writer p99 during/before the build, {where}",
-            b_ratio,
-            r_ratio,
-            goal=f"bagstore <= {GOAL_P99_RATIO:.0f}x",
-            met=b_ratio <= GOAL_P99_RATIO and not errors,
-            unit="x",
-        ),
-        Row(
-            f"{label}: longest write during the build, {where}",
-            bd.max * 1e3,
-            rd.max * 1e3,
-            goal=f"bagstore <= {GOAL_STALL * 1e3:.0f} ms",
-            met=bd.max <= GOAL_STALL,
-            unit=" ms",
-        ),
-    ]
+    what = "backfill at the default pace vs own DDL|build|rows/s"
+    pace = (rows / bs, rows / rs, None)
+    return writer_rows(label, args.rate, what, pace, (b_ratio, r_ratio), (bd.max, rd.max),
+                       (GOAL_P99_RATIO, GOAL_STALL), errors)  # fmt: skip
 
 
 # -- main -------------------------------------------------------------------------------------

@@ -28,26 +28,6 @@ from typing import Any
 from bagstore.backends.mysql import INIT_COMMAND
 from bagstore.ids import new_id
 
-__all__ = [
-    "MYSQL_HOST",
-    "MYSQL_PORT",
-    "MYSQL_USER",
-    "Result",
-    "Row",
-    "Work",
-    "compare",
-    "friendfeed_entity",
-    "machine_info",
-    "median_rate",
-    "mysql_available",
-    "mysql_connect",
-    "mysql_url",
-    "print_rows",
-    "print_table",
-    "rows_of",
-    "temp_databases",
-]
-
 MYSQL_HOST = os.environ.get("BAGSTORE_BENCH_MYSQL_HOST", "127.0.0.1")
 MYSQL_PORT = int(os.environ.get("BAGSTORE_BENCH_MYSQL_PORT", "3306"))
 MYSQL_USER = os.environ.get("BAGSTORE_BENCH_MYSQL_USER", "root")
@@ -328,18 +308,6 @@ def plan(backend: str) -> list[str] | None:
 # -- MariaDB -------------------------------------------------------------------------
 
 
-def _driver_module(driver: str) -> Any:
-    if driver == "pymysql":
-        import pymysql
-
-        return pymysql
-    if driver == "mysqlclient":
-        import MySQLdb
-
-        return MySQLdb
-    raise ValueError(f"unknown driver {driver!r}")
-
-
 def mysql_connect(
     database: str | None = None,
     *,
@@ -364,7 +332,13 @@ def mysql_connect(
     }
     if database is not None:
         args["database"] = database
-    return _driver_module(driver).connect(**args)
+    if driver == "mysqlclient":
+        import MySQLdb
+
+        return MySQLdb.connect(**args)
+    import pymysql
+
+    return pymysql.connect(**args)
 
 
 def rows_of(conn: Any, sql: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:

@@ -291,10 +291,7 @@ def concurrent_puts(env: Env, bag_put: Any, label: str, *, rounds: int, per_thre
     sides (bagstore: one Datastore shared by the threads; raw: each thread its
     own connection doing the one-transaction put); rounds interleaved."""
     connect = raw_connector(env)
-    raws = []
-    for _ in range(WRITERS):
-        conn = connect()
-        raws.append(Raw(Env(env.label, env.dialect, env.ds, conn)))
+    raws = [Raw(Env(env.label, env.dialect, env.ds, connect())) for _ in range(WRITERS)]
 
     errors = {"bag": 0, "raw": 0}
     first: list[str] = []
@@ -386,13 +383,11 @@ def run_driver(backend: str, driver: str, args: argparse.Namespace) -> list[Row]
 
         # sanity: both sides give the same answers
         u = users[0]
-        assert len(USER_INDEX.get_all(ds, user_id=u)) == PER_USER
-        assert len(raw.user_lookup(u)) == PER_USER
-        assert [e["id"] for e in layout.user_lookup(u)] == [
-            e["id"] for e in USER_INDEX.get_all(ds, user_id=u)
-        ]
-        assert len(USER_INDEX.get_all(by_user, user_id=u)) == PER_USER
-        assert len(USER_INDEX.get_all(one, user_id=u)) == PER_USER
+        mine = [e["id"] for e in USER_INDEX.get_all(ds, user_id=u)]
+        assert len(mine) == len(raw.user_lookup(u)) == PER_USER
+        assert [e["id"] for e in layout.user_lookup(u)] == mine
+        for store in (by_user, one):
+            assert len(USER_INDEX.get_all(store, user_id=u)) == PER_USER
         since = BASE + 700 * 1000
         expect = [e["id"] for e in posts[700 : 700 + LIMIT]]
         for got in (
@@ -420,66 +415,34 @@ def run_driver(backend: str, driver: str, args: argparse.Namespace) -> list[Row]
         def q1(t: int) -> object:
             return PUB_INDEX.get_all(ds1, published__gte=t, limit=LIMIT)
 
-        works = [
-            Work(
-                f"index lookup, user x{PER_USER}",
-                lambda uid: USER_INDEX.get_all(ds, user_id=uid),
-                raw.user_lookup,
-                some_users,
-            ),
-            Work(
-                f"index lookup, user x{PER_USER}, raw on the same {SHARDS} shards",
-                lambda uid: USER_INDEX.get_all(ds, user_id=uid),
-                layout.user_lookup,
-                some_users,
-            ),
-            Work(
-                f"index lookup, user x{PER_USER}, 1 shard",
-                lambda uid: USER_INDEX.get_all(one, user_id=uid),
-                raw.user_lookup,
-                some_users,
-            ),
-            Work(
-                f"index lookup, user x{PER_USER}, shard_key=user_id",
-                lambda uid: USER_INDEX.get_all(by_user, user_id=uid),
-                raw.user_lookup,
-                some_users,
-            ),
-            Work("put + 1 index, 1 shard", user1.put, raw.put_user, new_people),
-            Work(
-                f"put_many x{BATCH} + 1 index, 1 shard",
-                user1.put_many,
-                raw.put_many_user,
-                batches,
-                units=BATCH,
-            ),
-            Work("put + 2 indexes", ds.put, raw.put_indexed, new_people),
-            Work("put + 2 indexes, 1 shard", one.put, raw.put_indexed, new_people),
-            Work(f"scatter gte limit {LIMIT}, {SHARDS} shards", q4, raw.scatter, starts),
-            Work(f"scatter gte limit {LIMIT}, 1 shard", q1, raw.scatter, starts),
-        ]
-        goals = {
-            f"index lookup, user x{PER_USER}": 0.8,
-            f"index lookup, user x{PER_USER}, 1 shard": 0.8,
-            "put + 1 index, 1 shard": 0.9,
-            f"put_many x{BATCH} + 1 index, 1 shard": 0.9,
-            "put + 2 indexes": 0.7,
-            "put + 2 indexes, 1 shard": 0.7,
-        }
+        def lookup(store: Any) -> Any:
+            return lambda uid: USER_INDEX.get_all(store, user_id=uid)
+
+        look = f"index lookup, user x{PER_USER}"
+        # (name, bagstore, raw, inputs, units, goal: a least ratio or None)
+        table: list[tuple[str, Any, Any, Any, int, float | None]] = [
+            (look, lookup(ds), raw.user_lookup, some_users, 1, 0.8),
+            (f"{look}, raw on the same {SHARDS} shards", lookup(ds), layout.user_lookup,
+             some_users, 1, None),
+            (f"{look}, 1 shard", lookup(one), raw.user_lookup, some_users, 1, 0.8),
+            (f"{look}, shard_key=user_id", lookup(by_user), raw.user_lookup, some_users, 1, None),
+            ("put + 1 index, 1 shard", user1.put, raw.put_user, new_people, 1, 0.9),
+            (f"put_many x{BATCH} + 1 index, 1 shard", user1.put_many, raw.put_many_user,
+             batches, BATCH, 0.9),
+            ("put + 2 indexes", ds.put, raw.put_indexed, new_people, 1, 0.7),
+            ("put + 2 indexes, 1 shard", one.put, raw.put_indexed, new_people, 1, 0.7),
+            (f"scatter gte limit {LIMIT}, {SHARDS} shards", q4, raw.scatter, starts, 1, None),
+            (f"scatter gte limit {LIMIT}, 1 shard", q1, raw.scatter, starts, 1, None),
+        ]  # fmt: skip
+        works = [Work(name, b, r, inputs, units) for name, b, r, inputs, units, _ in table]
+        goals = {name: goal for name, *_, goal in table if goal is not None}
         results += [compare(w, env.label, rounds=rounds, seconds=seconds) for w in works]
         layout.close()
         single = next(r for r in results if r.work == "put + 1 index, 1 shard")
         per_thread = max(5, int(single.raw_rate * seconds / WRITERS))
-        results.append(
-            concurrent_puts(
-                env,
-                user1.put,
-                f"{WRITERS} concurrent writers, put + 1 index, 1 shard",
-                rounds=rounds,
-                per_thread=per_thread,
-            )
-        )
-        goals[results[-1].work] = 0.8
+        name = f"{WRITERS} concurrent writers, put + 1 index, 1 shard"
+        results.append(concurrent_puts(env, user1.put, name, rounds=rounds, per_thread=per_thread))
+        goals[name] = 0.8
         for r in results:
             if r.work in goals:
                 r.target, r.met = (
@@ -494,17 +457,10 @@ def run_driver(backend: str, driver: str, args: argparse.Namespace) -> list[Row]
         head = compare(
             Work("4 vs 1 shard", q4, q1, starts), env.label, rounds=rounds, seconds=seconds
         )
-        rows.append(
-            Row(
-                f"{env.label}: scatter p50 ms, {SHARDS} shards (raw column: bagstore on 1 shard)",
-                head.bag_p50 * 1e3,
-                head.raw_p50 * 1e3,
-                1 / head.ratio,
-                "<= 1.5x",
-                1 / head.ratio <= 1.5,
-                unit=" ms",
-            )
-        )
+        slower = 1 / head.ratio
+        metric = f"{env.label}: scatter p50 ms, {SHARDS} shards (raw column: bagstore on 1 shard)"
+        ms = head.bag_p50 * 1e3, head.raw_p50 * 1e3
+        rows.append(Row(metric, *ms, slower, "<= 1.5x", slower <= 1.5, unit=" ms"))
         if backend == "mysql":
             from bench.scatter import over_two_servers
 

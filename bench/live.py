@@ -23,7 +23,7 @@ from typing import Any
 import bagstore
 from bagstore import codec
 from bagstore.sharding.hashing import bucket_of
-from bench.common import connect_target, friendfeed_entity
+from bench.common import Row, connect_target, friendfeed_entity
 
 KIND = "entities"
 RAW_COLUMNS = "id, bucket, updated, body, doc"
@@ -209,3 +209,29 @@ def timed_beside(
         time.sleep(0.3)
         writes = w.stop()
     return t1 - t0, writes.window(t0 - before, t0), writes.window(t0, t1), writes
+
+
+def writer_rows(
+    label: str,
+    rate: float,
+    work: str,
+    pace: tuple[float, float, float | None],
+    p99: tuple[float, float],
+    longest: tuple[float, float],
+    goals: tuple[float, float],
+    errors: int,
+) -> list[Row]:
+    """The rows of ``work`` (``"backfill at the default pace vs own DDL|build|rows/s"``:
+    what, the event, the unit) done beside a writer of ``rate`` puts/s: its
+    ``pace`` (bagstore, raw, ratio), the writer's p99 during/before and its
+    longest write in seconds (bagstore, raw); ``goals``: the p99 ratio, the stall."""
+    what, event, unit = work.split("|")
+    where = f"writer {rate:,.0f}/s"
+    stall = (longest[0] * 1e3, longest[1] * 1e3)
+    return [
+        Row(f"{label}: {what}, {where} ({unit})", *pace),
+        Row(f"{label}: writer p99 during/before the {event}, {where}", *p99,
+            goal=f"bagstore <= {goals[0]:.0f}x", met=p99[0] <= goals[0] and not errors, unit="x"),
+        Row(f"{label}: longest write during the {event}, {where}", *stall,
+            goal=f"bagstore <= {goals[1] * 1e3:,.0f} ms", met=longest[0] <= goals[1], unit=" ms"),
+    ]  # fmt: skip

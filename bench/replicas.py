@@ -49,6 +49,7 @@ from bench.common import (
     compare,
     friendfeed_entity,
     mysql_available,
+    mysql_connect,
     mysql_url,
     print_machine,
     print_rows,
@@ -81,13 +82,6 @@ def _threaded(fn: Callable[[Any], object]) -> Callable[[Sequence[Any]], None]:
     return run
 
 
-def _raw(addr: str, db: str) -> Any:
-    import pymysql
-
-    host, _, port = addr.rpartition(":")
-    return pymysql.connect(host=host, port=int(port), user="root", database=db, autocommit=True)
-
-
 def read_rows(group: Any, db: str, quick: bool, rounds: int) -> list[Row]:
     url = group.url(db)
     writer = bagstore.Datastore([url])
@@ -96,33 +90,34 @@ def read_rows(group: Any, db: str, quick: bool, rounds: int) -> list[Row]:
     group.sync()
     primary = bagstore.Datastore([url], max_workers=THREADS)
     replica = bagstore.Datastore([url], read_from="replica", max_workers=THREADS)
+    # the cost of remembering each commit's GTID: the same put on the same
+    # primary, named with and without replicas (beside a raw INSERT)
+    plain = bagstore.Datastore([url.split("?", 1)[0]], max_workers=THREADS)
     local = threading.local()
 
+    def cursor() -> Any:
+        if getattr(local, "conn", None) is None:
+            host, _, port = group.primary.addr.rpartition(":")
+            local.conn = mysql_connect(db, host=host, port=int(port))
+        return local.conn.cursor()
+
     def raw_get(entity_id: bytes) -> object:
-        conn = getattr(local, "conn", None)
-        if conn is None:
-            conn = local.conn = _raw(group.primary.addr, db)
-        with conn.cursor() as cur:
+        with cursor() as cur:
             cur.execute("SELECT body FROM entities WHERE id = %s", (entity_id,))
             return cur.fetchone()
 
+    def raw_put(entity: dict[str, Any]) -> object:
+        sql = "INSERT INTO entities (id, bucket, updated, version, body) VALUES (%s, 0, 0, 1, %s)"
+        with cursor() as cur:
+            cur.execute(sql, (entity["id"], bagstore.codec.encode(entity)))
+        return None
+
     def raw_put_get(entity: dict[str, Any]) -> object:
-        conn = getattr(local, "conn", None)
-        if conn is None:
-            conn = local.conn = _raw(group.primary.addr, db)
-        body = bagstore.codec.encode(entity)
-        with conn.cursor() as cur:
-            cur.execute(
-                "INSERT INTO entities (id, bucket, updated, version, body) "
-                "VALUES (%s, 0, 0, 1, %s)",
-                (entity["id"], body),
-            )
-            cur.execute("SELECT body FROM entities WHERE id = %s", (entity["id"],))
-            return cur.fetchone()
+        raw_put(entity)
+        return raw_get(entity["id"])
 
     def ryw(entity: dict[str, Any]) -> object:
-        entity_id = replica.put(entity)
-        return replica.get(entity_id)
+        return replica.get(replica.put(entity))
 
     batch = 64
 
@@ -132,40 +127,15 @@ def read_rows(group: Any, db: str, quick: bool, rounds: int) -> list[Row]:
     def entity_batches(n: int, side: str) -> list[list[dict[str, Any]]]:
         return [[friendfeed_entity() for _ in range(batch)] for _ in range(n)]
 
-    seconds = 0.2 if quick else 1.0
-    works = [
-        Work("get, primary alone", _threaded(primary.get), _threaded(raw_get), id_batches, batch),
-        Work("get, 2 replicas", _threaded(replica.get), _threaded(raw_get), id_batches, batch),
-        Work(
-            "put + replica get (read-your-writes)",
-            _threaded(ryw),
-            _threaded(raw_put_get),
-            entity_batches,
-            batch,
-        ),
+    table: list[tuple[str, Any, Any, Any]] = [
+        ("get, primary alone", primary.get, raw_get, id_batches),
+        ("get, 2 replicas", replica.get, raw_get, id_batches),
+        ("put + replica get (read-your-writes)", ryw, raw_put_get, entity_batches),
+        ("put, GTID tracked (replicas named)", primary.put, raw_put, entity_batches),
+        ("put, no replicas named", plain.put, raw_put, entity_batches),
     ]
-    # the cost of remembering each commit's GTID: the same put on the same
-    # primary, named with and without replicas (beside a raw INSERT)
-    plain = bagstore.Datastore([url.split("?", 1)[0]], max_workers=THREADS)
-
-    def raw_put(entity: dict[str, Any]) -> object:
-        conn = getattr(local, "conn", None)
-        if conn is None:
-            conn = local.conn = _raw(group.primary.addr, db)
-        with conn.cursor() as cur:
-            cur.execute(
-                "INSERT INTO entities (id, bucket, updated, version, body) "
-                "VALUES (%s, 0, 0, 1, %s)",
-                (entity["id"], bagstore.codec.encode(entity)),
-            )
-        return None
-
-    works += [
-        Work("put, GTID tracked (replicas named)", _threaded(primary.put), _threaded(raw_put),
-             entity_batches, batch),
-        Work("put, no replicas named", _threaded(plain.put), _threaded(raw_put),
-             entity_batches, batch),
-    ]  # fmt: skip
+    works = [Work(n, _threaded(b), _threaded(r), inputs, batch) for n, b, r, inputs in table]
+    seconds = 0.2 if quick else 1.0
     results = [compare(w, "mariadb", rounds=rounds, seconds=seconds) for w in works]
     rows = [
         Row(
@@ -176,25 +146,14 @@ def read_rows(group: Any, db: str, quick: bool, rounds: int) -> list[Row]:
         )
         for k, r in enumerate(results)
     ]
-    stats = replica.stats()
-    rows.append(
-        Row(
-            "reads: 2 replicas / primary alone (bagstore)",
-            results[1].bag_rate,
-            results[0].bag_rate,
-            goal="> 1x (separate hosts)",
-        )
-    )
-    fallbacks = stats["replicas"]["fallbacks"]
-    rows.append(Row("reads: RYW fallbacks to the primary", float(fallbacks), None, unit=""))
-    rows.append(
-        Row(
-            "puts: GTID tracked / not (both bagstore)",
-            results[3].bag_rate,
-            results[4].bag_rate,
-            goal="~1x (no extra round trip)",
-        )
-    )
+    fallbacks = replica.stats()["replicas"]["fallbacks"]
+    rows += [
+        Row("reads: 2 replicas / primary alone (bagstore)", results[1].bag_rate,
+            results[0].bag_rate, goal="> 1x (separate hosts)"),
+        Row("reads: RYW fallbacks to the primary", float(fallbacks), None, unit=""),
+        Row("puts: GTID tracked / not (both bagstore)", results[3].bag_rate,
+            results[4].bag_rate, goal="~1x (no extra round trip)"),
+    ]  # fmt: skip
     for ds in (writer, primary, replica, plain):
         ds.close()
     return rows

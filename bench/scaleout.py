@@ -56,7 +56,7 @@ from bench.common import (
     run_suite,
     suite_args,
 )
-from bench.live import KIND, Lat, WriterSpec, timed_beside
+from bench.live import KIND, Lat, WriterSpec, timed_beside, writer_rows
 
 TABLE = "index_user_id"
 USER_INDEX = bagstore.Index(table=TABLE, properties=["user_id"], shard_on="user_id")
@@ -262,31 +262,14 @@ def rows_for(label: str, rounds: list[Round], rate: float) -> list[Row]:
     r_ratio = med(r.raw_during.p99 / r.raw_before.p99 for r in rounds)
     worst, raw_worst = max(r.during.max for r in rounds), max(r.raw_during.max for r in rounds)
     errors = sum(r.errors for r in rounds)
-    where = f"writer {rate:,.0f}/s"
-    return [
-        Row(
-            f"{label}: move at the default pace vs plain SQL copy, {where} (entities/s)",
-            med(r.moved / r.seconds for r in rounds),
-            med(r.raw_moved / r.raw_seconds for r in rounds),
-            med((r.moved / r.seconds) / (r.raw_moved / r.raw_seconds) for r in rounds),
-        ),
-        Row(
-            f"{label}: writer p99 during/before the move, {where}",
-            b_ratio,
-            r_ratio,
-            goal=f"bagstore <= {GOAL_P99_RATIO:.0f}x",
-            met=b_ratio <= GOAL_P99_RATIO and not errors,
-            unit="x",
-        ),
-        Row(
-            f"{label}: longest write during the move, {where}",
-            worst * 1e3,
-            raw_worst * 1e3,
-            goal=f"bagstore <= {GOAL_STALL * 1e3:,.0f} ms",
-            met=worst <= GOAL_STALL,
-            unit=" ms",
-        ),
-    ]
+    pace = (
+        med(r.moved / r.seconds for r in rounds),
+        med(r.raw_moved / r.raw_seconds for r in rounds),
+        med((r.moved / r.seconds) / (r.raw_moved / r.raw_seconds) for r in rounds),
+    )
+    what = "move at the default pace vs plain SQL copy|move|entities/s"
+    return writer_rows(label, rate, what, pace, (b_ratio, r_ratio), (worst, raw_worst),
+                       (GOAL_P99_RATIO, GOAL_STALL), errors)  # fmt: skip
 
 
 def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
