@@ -298,9 +298,9 @@ def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     options = {
         "rounds": (int, 5, 3, "interleaved rounds"),
-        "seconds": (float, 1.0, 0.3, "one round of puts"),
-        "changes": (int, 20_000, 4000, "changes read"),
-        "lag-seconds": (float, 10.0, 2.0, "seconds of following"),
+        "seconds": (float, 1.0, 0.15, "one round of puts"),
+        "changes": (int, 20_000, 2000, "changes read"),
+        "lag-seconds": (float, 10.0, 1.0, "seconds of following"),
     }
     args = suite_args(argv, "the change feed beside the same puts without it, and raw SQL", options)
     title = f"bench.changes: the change feed ({SHARDS} shards), medians of {args.rounds} rounds"

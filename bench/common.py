@@ -157,6 +157,7 @@ def compare(
     rounds of the same number of calls, bagstore first in even rounds, raw
     first in odd ones."""
     t0 = time.perf_counter()
+    min_ops = max(3, min_ops * 50 // max(50, work.units))  # a call of 500 entities: 3 calls
     n = _calibrate(work, seconds, min_ops, max_ops)
     bag: list[Sample] = []
     raw: list[Sample] = []
@@ -225,7 +226,8 @@ def result_row(r: Result) -> Row:
 
 
 def print_rows(title: str, rows: Sequence[Row], *, fmt: str = "rich") -> None:
-    """The bench's table: metric, bagstore, raw, ratio, goal, met?"""
+    """The bench's table (metric, bagstore, raw, ratio, goal, met?) as a rich
+    table, a plain one, or Markdown (``fmt``)."""
     RECORDED.extend((title, r) for r in rows)
     body = [
         [
@@ -238,17 +240,7 @@ def print_rows(title: str, rows: Sequence[Row], *, fmt: str = "rich") -> None:
         ]
         for r in rows
     ]
-    print_table(title, body, fmt=fmt)
-
-
-def print_table(
-    title: str,
-    body: Sequence[Sequence[str]],
-    *,
-    fmt: str = "rich",
-    headers: Sequence[str] = HEADERS,
-) -> None:
-    """Print rows of text as a rich table, a plain one, or Markdown (``fmt``)."""
+    headers = HEADERS
     if fmt == "rich":
         try:
             from rich.console import Console

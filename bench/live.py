@@ -10,13 +10,12 @@ for the database's own index build on a virtual column).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,58 +155,34 @@ class Writes:
         )
 
 
-class Writer:
-    """A writer process; ``stop()`` returns what it recorded."""
-
-    def __init__(self, spec: WriterSpec) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._ready, self._stop = ctx.Event(), ctx.Event()
-        self._recv, send = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(
-            target=writer_main, args=(spec, send, self._ready, self._stop), daemon=True
-        )
-        self.proc.start()
-        send.close()
-        if not self._ready.wait(120) or not self.proc.is_alive():
-            self.kill()
-            raise RuntimeError("the writer process did not start")
-
-    def stop(self) -> Writes:
-        self._stop.set()
-        if not self._recv.poll(120):
-            self.kill()
-            raise RuntimeError("the writer process did not report")
-        writes = Writes(*self._recv.recv())
-        self.proc.join(30)
-        return writes
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(10)
-
-
-@contextlib.contextmanager
-def writer(spec: WriterSpec) -> Iterator[Writer]:
-    w = Writer(spec)
-    try:
-        yield w
-    finally:
-        w.kill()
-
-
 def timed_beside(
     spec: WriterSpec, before: float, work: Callable[[], object]
 ) -> tuple[float, Lat, Lat, Writes]:
-    """Run ``work`` while a writer runs: ``before`` seconds of writes first.
-    Returns ``(seconds, writer before, writer during, writes)``."""
-    with writer(spec) as w:
+    """Run ``work`` while a writer process runs: ``before`` seconds of writes
+    first.  Returns ``(seconds, writer before, writer during, writes)``."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=writer_main, args=(spec, send, ready, stop), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if not ready.wait(120) or not proc.is_alive():
+            raise RuntimeError("the writer process did not start")
         time.sleep(before)
         t0 = time.monotonic()
         work()
         t1 = time.monotonic()
         time.sleep(0.3)
-        writes = w.stop()
+        stop.set()
+        if not recv.poll(120):
+            raise RuntimeError("the writer process did not report")
+        writes = Writes(*recv.recv())
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(10)
     return t1 - t0, writes.window(t0 - before, t0), writes.window(t0, t1), writes
 
 

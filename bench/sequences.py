@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,7 +37,15 @@ from typing import Any
 
 import bagstore
 from bagstore.ids.sequence import Sequence, TicketSequence, open_sequence
-from bench.common import Counter, Row, count_statements, fresh_shards, run_suite, suite_args
+from bench.common import (
+    Counter,
+    Row,
+    count_statements,
+    fresh_shards,
+    in_threads,
+    run_suite,
+    suite_args,
+)
 
 BLOCK = 1000
 GOAL = 1_000_000
@@ -127,16 +134,12 @@ def works(env: Env, threads: int) -> list[Work]:
     def threaded_step() -> int:
         per = 20_000
 
-        def run() -> None:
+        def run(k: int) -> None:
             nx = shared.next
             for _ in range(per):
                 nx()
 
-        pool = [threading.Thread(target=run) for _ in range(threads)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
+        in_threads(threads, run)
         return per * threads
 
     many = open_sequence(ds, "many", block=BLOCK)
@@ -157,34 +160,26 @@ def works(env: Env, threads: int) -> list[Work]:
 
     cur = env.raw.cursor()
     raw_sent = [0]
-    if env.is_mysql:
+    replace = "REPLACE INTO Tickets64 (stub) VALUES ('a')"
+    if env.is_mysql:  # Flickr's two statements; the block: one, LAST_INSERT_ID() its answer
+        ticket = [replace, "SELECT LAST_INSERT_ID()"]
+        block = ["UPDATE sequence SET id = LAST_INSERT_ID(id + 1000) WHERE name = 'photos'"]
+    else:  # SQLite has no LAST_INSERT_ID(): cursor.lastrowid, RETURNING
+        ticket = [replace]
+        block = ["UPDATE sequence SET id = id + 1000 WHERE name = 'photos' RETURNING id"]
 
-        def flickr_step() -> int:
-            cur.execute("REPLACE INTO Tickets64 (stub) VALUES ('a')")
-            cur.execute("SELECT LAST_INSERT_ID()")
-            cur.fetchone()
-            raw_sent[0] += 2
-            return 1
-
-        def update_step() -> int:
-            cur.execute("UPDATE sequence SET id = LAST_INSERT_ID(id + 1000) WHERE name = 'photos'")
+    def raw_step(statements: list[str], ids: int) -> Callable[[], int]:
+        def step() -> int:
+            for sql in statements:
+                cur.execute(sql)
+                cur.fetchall()
             _ = cur.lastrowid
-            raw_sent[0] += 1
-            return BLOCK
+            raw_sent[0] += len(statements)
+            return ids
 
-    else:
+        return step
 
-        def flickr_step() -> int:
-            cur.execute("REPLACE INTO Tickets64 (stub) VALUES ('a')")
-            _ = cur.lastrowid
-            raw_sent[0] += 1
-            return 1
-
-        def update_step() -> int:
-            cur.execute("UPDATE sequence SET id = id + 1000 WHERE name = 'photos' RETURNING id")
-            cur.fetchall()
-            raw_sent[0] += 1
-            return BLOCK
+    flickr_step, update_step = raw_step(ticket, 1), raw_step(block, BLOCK)
 
     def bag() -> int:
         return counter.db

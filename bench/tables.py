@@ -120,8 +120,8 @@ def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     options = {
         "rounds": (int, 7, 3, "interleaved rounds"),
-        "seconds": (float, 1.0, 0.3, "length of one round"),
-        "rows": (int, 5000, 1000, "photos"),
+        "seconds": (float, 1.0, 0.1, "length of one round"),
+        "rows": (int, 5000, 500, "photos"),
     }
     args = suite_args(argv, "typed table load beside ds.get and raw SQL", options)
     title = "bench.tables: typed load(user_id, photo_id) per second, beside ds.get and raw SQL"
