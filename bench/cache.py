@@ -190,7 +190,9 @@ def works(
     ]
 
 
-def level_one(plain: bagstore.Datastore, cached: bagstore.Datastore, ids: list[bytes]) -> Result:
+def level_one(
+    plain: bagstore.Datastore, cached: bagstore.Datastore, ids: list[bytes], quick: bool
+) -> Result:
     """``ds.get`` inside a request, the entity already read there, beside plain get."""
     from bench.common import Sample
 
@@ -204,7 +206,7 @@ def level_one(plain: bagstore.Datastore, cached: bagstore.Datastore, ids: list[b
             for i in range(n):
                 cached.get(chosen[i % 100])
             bag.append(Sample(n / (time.perf_counter() - t0), 0.0))
-        n = 2_000
+        n = 400 if quick else 2_000
         t0 = time.perf_counter()
         for i in range(n):
             plain.get(chosen[i % 100])
@@ -266,7 +268,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
                     results.append(judge(r))
             first = next(iter(stores.values()), None)
             if first is not None:
-                r = level_one(plain, first, ids)
+                r = level_one(plain, first, ids, args.quick)
                 r.backend = label
                 results.append(r)
                 log(f"  {label:20} L1 get {r.bag_rate:,.0f}/s (plain get {r.raw_rate:,.0f}/s)")
@@ -303,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         "memcached": (str, "127.0.0.1:11211", "127.0.0.1:11211", "host:port[,host:port...]"),
         "redis": (str, "redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0", "its URL"),
         "rounds": (int, 5, 3, "interleaved rounds"),
-        "seconds": (float, 0.4, 0.05, "length of one round"),
-        "mix-ops": (int, 4000, 600, "operations of the mix"),
+        "seconds": (float, 0.4, 0.03, "length of one round"),
+        "mix-ops": (int, 4000, 400, "operations of the mix"),
     }
     args = suite_args(argv, "bagstore's cache beside the uncached path", options)
     args.caches = {}

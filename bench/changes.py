@@ -298,7 +298,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     options = {
         "rounds": (int, 5, 3, "interleaved rounds"),
-        "seconds": (float, 1.0, 0.15, "one round of puts"),
+        "seconds": (float, 1.0, 0.1, "one round of puts"),
         "changes": (int, 20_000, 2000, "changes read"),
         "lag-seconds": (float, 10.0, 1.0, "seconds of following"),
     }
