@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": (int, 100_000, 5_000, "entities"),
         "rounds": (int, 3, 1, "flat-out rounds"),
         "rate": (float, 500.0, 500.0, "writer puts/s (0: no writer part)"),
-        "before": (float, 3.0, 1.0, "seconds of writes before"),
+        "before": (float, 3.0, 0.5, "seconds of writes before"),
     }
     args = suite_args(argv, "the Cleaner's backfill beside raw SQL", options)
     title = (

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": (int, 100_000, 2_000, "entities"),
         "rounds": (int, 3, 1, "move rounds"),
         "rate": (float, 500.0, 500.0, "writer puts per second"),
-        "before": (float, 3.0, 1.0, "seconds of writes before"),
+        "before": (float, 3.0, 0.5, "seconds of writes before"),
         # --quick: 64 buckets, since a move's time goes by bucket as much as by row
         "buckets": (int, None, 64, "the store's buckets (None: bagstore's default)"),
     }
