@@ -574,8 +574,8 @@ def suite_args(
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
         value = getattr(args, key)
-        if isinstance(value, int | float) and value < 0:
-            p.error(f"--{name} must not be negative")
+        if isinstance(value, int | float) and value < (1 if name == "rounds" else 0):
+            p.error(f"--{name} must be at least {1 if name == 'rounds' else 0}")
     return args
 
 
