@@ -31,31 +31,30 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import contextlib
 import itertools
 import os
 import random
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import bagstore
 from bagstore.query import parse_filters, plan_query
 from bench.common import (
+    Counter,
     Result,
     Row,
     Work,
-    add_common_args,
     compare,
+    count_statements,
+    fresh_shards,
     friendfeed_entity,
-    mysql_url,
-    plan,
-    print_machine,
-    print_rows,
+    label_of,
+    log,
     result_row,
-    temp_databases,
+    run_suite,
+    suite_args,
 )
 
 SHARDS = 4
@@ -71,16 +70,6 @@ user_pub = bagstore.Index(
 
 
 # -- stores ------------------------------------------------------------------------------
-@contextlib.contextmanager
-def shard_urls(backend: str) -> Iterator[tuple[str, list[str]]]:
-    if backend == "sqlite":
-        with tempfile.TemporaryDirectory(prefix="bagbench_cache_") as root:
-            yield "sqlite", [f"sqlite:///{root}/shard_{i}.db" for i in range(SHARDS)]
-    else:
-        with temp_databases(SHARDS, prefix="bagbench_cache") as names:
-            yield "mariadb", [mysql_url(n) for n in names]
-
-
 def prefill(ds: bagstore.Datastore) -> tuple[list[bytes], list[bytes]]:
     """5,000 entities; returns (ids, users)."""
     users = [os.urandom(16) for _ in range(USERS)]
@@ -109,54 +98,11 @@ def cache_available(url: str) -> str | None:
     return None
 
 
-# -- counting round trips -------------------------------------------------------------------
-class Counter:
-    def __init__(self) -> None:
-        self.db = 0
-        self.cache = 0
-
-
-class _Cursor:
-    def __init__(self, cur: Any, counter: Counter) -> None:
-        self._cur, self._counter = cur, counter
-
-    def execute(self, *args: Any, **kwargs: Any) -> Any:
-        self._counter.db += 1
-        return self._cur.execute(*args, **kwargs)
-
-    def executemany(self, *args: Any, **kwargs: Any) -> Any:
-        self._counter.db += 1
-        return self._cur.executemany(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cur, name)
-
-
-class _Conn:
-    def __init__(self, conn: Any, counter: Counter) -> None:
-        self._conn, self._counter = conn, counter
-
-    def cursor(self, *args: Any) -> _Cursor:
-        return _Cursor(self._conn.cursor(*args), self._counter)
-
-    def commit(self) -> Any:
-        self._counter.db += 1
-        return self._conn.commit()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-
 def count_round_trips(ds: bagstore.Datastore) -> Counter:
     """Count every statement ds sends to its shards, and every cache call."""
     counter = Counter()
     for backend in ds.router.backends:
-        original = backend.run
-
-        def run(work: Any, *args: Any, attempts: int = 3, _original: Any = original) -> Any:
-            return _original(lambda conn: work(_Conn(conn, counter), *args), attempts=attempts)
-
-        backend.run = run  # type: ignore[method-assign]
+        count_statements(backend, counter)
         # SQLite's point read skips run(): count it as the one statement it is.
         if "get_body" in type(backend).__dict__:
             original_get = backend.get_body
@@ -244,7 +190,9 @@ def works(
     ]
 
 
-def level_one(plain: bagstore.Datastore, cached: bagstore.Datastore, ids: list[bytes]) -> Result:
+def level_one(
+    plain: bagstore.Datastore, cached: bagstore.Datastore, ids: list[bytes], quick: bool
+) -> Result:
     """``ds.get`` inside a request, the entity already read there, beside plain get."""
     from bench.common import Sample
 
@@ -258,7 +206,7 @@ def level_one(plain: bagstore.Datastore, cached: bagstore.Datastore, ids: list[b
             for i in range(n):
                 cached.get(chosen[i % 100])
             bag.append(Sample(n / (time.perf_counter() - t0), 0.0))
-        n = 2_000
+        n = 400 if quick else 2_000
         t0 = time.perf_counter()
         for i in range(n):
             plain.get(chosen[i % 100])
@@ -299,12 +247,12 @@ def judge(r: Result) -> Result:
     return r
 
 
-def run_backend(
-    backend: str, caches: dict[str, str], args: argparse.Namespace, log: Callable[[str], None]
-) -> tuple[list[Result], list[Row]]:
+def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
     results: list[Result] = []
     mixes: list[Row] = []
-    with shard_urls(backend) as (label, urls):
+    label, caches = label_of(backend), args.caches
+    with fresh_shards(backend, SHARDS, "bagbench_cache") as shards:
+        urls = shards.urls
         plain = bagstore.Datastore(urls, indexes=[user_pub])
         stores = {
             name: bagstore.Datastore(urls, indexes=[user_pub], cache=url)
@@ -314,26 +262,13 @@ def run_backend(
             ids, users = prefill(plain)
             for name, ds in stores.items():
                 for work, most in works(plain, ds, ids, users):
-                    t0 = time.perf_counter()
-                    r = judge(
-                        compare(
-                            work,
-                            f"{label} + {name}",
-                            rounds=args.rounds,
-                            seconds=args.seconds,
-                            min_ops=10,
-                            max_ops=most,
-                        )
-                    )
-                    results.append(r)
-                    log(
-                        f"  {r.backend:20} {r.work:22} cached {r.bag_rate:>10,.0f}/s  "
-                        f"uncached {r.raw_rate:>8,.0f}/s  x{r.ratio:.2f}  "
-                        f"({time.perf_counter() - t0:.1f}s)"
-                    )
+                    where = f"{label} + {name}"
+                    r = compare(work, where, rounds=args.rounds, seconds=args.seconds,
+                                min_ops=10, max_ops=most)  # fmt: skip
+                    results.append(judge(r))
             first = next(iter(stores.values()), None)
             if first is not None:
-                r = level_one(plain, first, ids)
+                r = level_one(plain, first, ids, args.quick)
                 r.backend = label
                 results.append(r)
                 log(f"  {label:20} L1 get {r.bag_rate:,.0f}/s (plain get {r.raw_rate:,.0f}/s)")
@@ -350,75 +285,47 @@ def run_backend(
                 if base is None:
                     base = got
                     continue
-                mixes.append(Row(f"{label}: read-heavy mix, {name}", got["ops/s"], base["ops/s"]))
-                mixes.append(
-                    Row(
-                        f"{label}: read-heavy mix, {name}: DB statements/op",
-                        got["db"],
-                        base["db"],
-                        unit="",
-                    )
-                )
+                mixes += [
+                    Row(f"{label}: read-heavy mix, {name}", got["ops/s"], base["ops/s"]),
+                    Row(f"{label}: read-heavy mix, {name}: DB statements/op", got["db"],
+                        base["db"], unit=""),
+                ]  # fmt: skip
                 log(f"  {label:20} mix {name:10} {got} (uncached {base})")
         finally:
             plain.close()
             for ds in stores.values():
                 ds.close()
-    return results, mixes
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="bagstore's cache beside the uncached path")
-    add_common_args(p)
-    p.add_argument("--cache", choices=["memcached", "redis", "all"], default="all")
-    p.add_argument("--memcached", default="127.0.0.1:11211", help="host:port[,host:port...]")
-    p.add_argument("--redis", default="redis://127.0.0.1:6379/0")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
-    p.add_argument("--seconds", type=float, default=None, help="length of one round")
-    p.add_argument("--mix-ops", type=int, default=None, help="operations of the mix")
-    args = p.parse_args(argv)
-    args.rounds = args.rounds or (3 if args.quick else 5)
-    args.seconds = args.seconds or (0.05 if args.quick else 0.4)
-    args.mix_ops = args.mix_ops or (600 if args.quick else 4000)
-    return args
+    return [result_row(r) for r in results] + mixes
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m bench.cache``."""
-    args = parse_args(argv)
-
-    def log(line: str) -> None:
-        print(line, file=sys.stderr)
-
-    caches: dict[str, str] = {}
+    options = {
+        "cache": (["memcached", "redis", "all"], "all", "all", "the caches to run"),
+        "memcached": (str, "127.0.0.1:11211", "127.0.0.1:11211", "host:port[,host:port...]"),
+        "redis": (str, "redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0", "its URL"),
+        "rounds": (int, 5, 3, "interleaved rounds"),
+        "seconds": (float, 0.4, 0.03, "length of one round"),
+        "mix-ops": (int, 4000, 400, "operations of the mix"),
+    }
+    args = suite_args(argv, "bagstore's cache beside the uncached path", options)
+    args.caches = {}
     for name, url in (("memcached", f"memcached://{args.memcached}"), ("redis", args.redis)):
         if args.cache in (name, "all"):
             why = cache_available(url)
             if why is None:
-                caches[name] = url
+                args.caches[name] = url
             else:
                 log(f"{name} skipped: {why}")
-    if not caches:
+    if not args.caches:
         log("skipped: bench.cache (no cache server answers)")
         return 0
-    backends = plan(args.backend)
-    if backends is None:
-        return 2
-    print_machine(args.format)
-    started = time.perf_counter()
-    rows: list[Row] = []
-    for backend in backends:
-        part, mixed = run_backend(backend, caches, args, log)
-        rows += [result_row(r) for r in part] + mixed
-    print_rows(
+    title = (
         f"bench.cache: bagstore with a cache (bagstore column) vs the same store uncached "
         f"(raw column), ops/s, medians of {args.rounds} rounds; the mix: {MIX_READS:.0%} "
-        f"reads, Zipf s={ZIPF_S}",
-        rows,
-        fmt=args.format,
+        f"reads, Zipf s={ZIPF_S}"
     )
-    log(f"total {time.perf_counter() - started:.0f}s")
-    return 0
+    return run_suite(args, title, run_backend)
 
 
 if __name__ == "__main__":

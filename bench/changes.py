@@ -2,7 +2,8 @@
 
 Run from the repository root::
 
-    python -m bench.changes [--backend sqlite|mysql|all] [--quick] [--format ...]
+    python -m bench.changes [--backend sqlite|mysql|all] [--rounds N] [--seconds S]
+                            [--quick] [--format ...]
 
 Metrics (each backend; four shards, 64 buckets):
 
@@ -10,6 +11,15 @@ Metrics (each backend; four shards, 64 buckets):
   feed is on (with bodies, and without), beside the same puts into a kind
   whose feed is off, rounds interleaved.  Goal: the feed costs <= 10%
   (ratio >= 0.90).
+- ``put, feed on vs raw``: the same puts beside raw SQL doing the same work by
+  hand in ONE transaction on one database: the entity's upsert, the bucket's
+  position row ``UPDATE ... SET pos = pos + 1`` and the change row's
+  ``INSERT ... SELECT`` of that position (with the body, or without); on
+  MariaDB sent as one multi-statement (``BEGIN; ...; COMMIT``), one round
+  trip like bagstore's triggers.  Goal (issue 25): >= 0.8x.
+- ``feed cost, on/off``: bagstore's on/off ratio beside raw SQL's own (the
+  same transaction against the upsert alone), measured in the same rounds:
+  what the extra row and row lock cost on this machine whoever writes them.
 - ``changes read``: ``ds.changes(since=cursor, limit=1000)`` page after page
   over 20,000 changes with bodies (decoded), beside raw DB-API reading the
   same rows by position (one keyset ``SELECT`` of 1,000 rows per page and
@@ -25,149 +35,184 @@ Metrics (each backend; four shards, 64 buckets):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import bagstore
 from bagstore import codec
+from bagstore.backends.mysql import MySQLDialect
+from bagstore.backends.sqlite import SQLiteDialect
+from bagstore.sharding.hashing import bucket_of
 from bench.common import (
     Row,
+    Shards,
     Work,
-    add_common_args,
-    compare,
+    _calibrate,
+    alternate,
+    fresh_shards,
     friendfeed_entity,
-    mysql_connect,
-    mysql_url,
-    plan,
-    print_machine,
-    print_rows,
-    temp_databases,
+    paired,
+    run_suite,
+    suite_args,
 )
 
 SHARDS = 4
+BUCKETS = 64
+RAW = "entities"
 
 
-@contextlib.contextmanager
-def open_store(backend: str) -> Iterator[tuple[list[str], Any]]:
-    """Shard URLs of a fresh store and a function giving raw connections to shard i."""
-    if backend == "sqlite":
-        with tempfile.TemporaryDirectory(prefix="bagbench_feed_") as root:
-            urls = [f"sqlite:///{root}/s{i}.db" for i in range(SHARDS)]
+class RawFeed:
+    """Raw SQL on one database: the entity's upsert alone, or with the work the
+    feed's triggers do (the position row bumped, the change row inserted)."""
 
-            def raw_sqlite(i: int) -> Any:
-                import sqlite3
+    def __init__(self, backend: str, shards: Shards, bodies: bool) -> None:
+        self.mysql = backend == "mysql"
+        d: Any = MySQLDialect() if self.mysql else SQLiteDialect()
+        extra: dict[str, Any] = {}
+        if self.mysql:
+            from pymysql.constants import CLIENT
 
-                conn = sqlite3.connect(f"{root}/s{i}.db", isolation_level=None)
-                conn.execute("PRAGMA journal_mode=WAL")
-                return conn
+            extra["client_flag"] = CLIENT.MULTI_STATEMENTS
+        self.conn = shards.connect(SHARDS, **extra)
+        self.cur = self.conn.cursor()
+        self.bodies = bodies
+        p, tag = d.param, "b" if bodies else "i"
+        self.changes, self.positions = f"raw_changes_{tag}", f"raw_positions_{tag}"
+        blob = "MEDIUMBLOB" if self.mysql else "BLOB"
+        for sql in [
+            *(d.create_entities_sql(RAW) if bodies else []),
+            f"CREATE TABLE {self.changes} (kind VARCHAR(64) NOT NULL, bucket INTEGER NOT NULL, "
+            f"pos BIGINT NOT NULL, id {d.id_type} NOT NULL, op INTEGER NOT NULL, "
+            f"version BIGINT NOT NULL, updated BIGINT NOT NULL, body {blob} NULL, "
+            "PRIMARY KEY (kind, bucket, pos))",
+            f"CREATE TABLE {self.positions} (kind VARCHAR(64) NOT NULL, bucket INTEGER NOT NULL, "
+            "pos BIGINT NOT NULL, pruned BIGINT NOT NULL, PRIMARY KEY (kind, bucket))",
+        ]:
+            self.cur.execute(sql)
+        for b in range(BUCKETS):
+            self.cur.execute(f"INSERT INTO {self.positions} VALUES ('k', {b}, 0, 0)")
+        self.upsert = d.upsert_entities_sql(RAW, 1)
+        self.bump = f"UPDATE {self.positions} SET pos = pos + 1 WHERE kind = 'k' AND bucket = {p}"
+        self.record = (
+            f"INSERT INTO {self.changes} (kind, bucket, pos, id, op, version, updated, body) "
+            f"SELECT kind, bucket, pos, {p}, 0, 1, {p}, {p} FROM {self.positions} "
+            f"WHERE kind = 'k' AND bucket = {p}"
+        )
+        self.together = f"BEGIN; {self.upsert}; {self.bump}; {self.record}; COMMIT"
 
-            yield urls, raw_sqlite
-        return
-    with temp_databases(SHARDS, "bagbench_feed") as names:
+    def put(self, e: dict[str, Any]) -> None:
+        """The entity's upsert alone, autocommit."""
+        self.cur.execute(self.upsert, (e["id"], bucket_of(e["id"], BUCKETS), 0, codec.encode(e)))
 
-        def raw_mysql(i: int) -> Any:
-            conn = mysql_connect()
-            conn.select_db(names[i])
-            return conn
+    def put_fed(self, e: dict[str, Any]) -> None:
+        """The upsert, the position bump and the change row in one transaction."""
+        eid, body, now = e["id"], codec.encode(e), time.time_ns() // 1000
+        bucket = bucket_of(eid, BUCKETS)
+        record = (eid, now, body if self.bodies else None, bucket)
+        if self.mysql:
+            self.cur.execute(self.together, (eid, bucket, now, body, bucket, *record))
+            while self.cur.nextset():
+                pass
+            return
+        self.cur.execute("BEGIN IMMEDIATE")
+        self.cur.execute(self.upsert, (eid, bucket, now, body))
+        self.cur.execute(self.bump, (bucket,))
+        self.cur.execute(self.record, record)
+        self.cur.execute("COMMIT")
 
-        yield [mysql_url(n) for n in names], raw_mysql
+    def close(self) -> None:
+        self.conn.close()
 
 
-def put_cost(backend: str, urls: list[str], rounds: int, seconds: float) -> list[Row]:
+def _rate(fn: Callable[[Any], object], inputs: Sequence[Any]) -> float:
+    t0 = time.perf_counter()
+    for x in inputs:
+        fn(x)
+    return len(inputs) / (time.perf_counter() - t0)
+
+
+def put_cost(backend: str, shards: Shards, rounds: int, seconds: float) -> list[Row]:
     rows: list[Row] = []
-    off = bagstore.Datastore(urls, buckets=64, kind="plain")
+    urls = shards.urls[:SHARDS]
+    off = bagstore.Datastore(urls, buckets=BUCKETS, kind="plain")
     for bodies in (True, False):
-        kind = "fed_bodies" if bodies else "fed_ids"
-        on = bagstore.Datastore(urls, buckets=64, kind=kind)
+        with_ = "with" if bodies else "without"
+        on = bagstore.Datastore(urls, buckets=BUCKETS, kind=f"fed_{with_}")
         on.feed.enable(bodies=bodies)
-        work = Work(
-            f"put, feed on ({'with' if bodies else 'without'} bodies) vs off",
-            bag=on.put,
-            raw=off.put,
-            inputs=lambda n, side: [friendfeed_entity() for _ in range(n)],
-        )
-        r = compare(work, backend, rounds=rounds, seconds=seconds)
-        rows.append(
-            Row(
-                f"{backend}: {work.name}, puts",
-                r.bag_rate,
-                r.raw_rate,
-                r.ratio,
-                ">= 0.90x",
-                r.ratio >= 0.9,
-            )
-        )
+        raw = RawFeed(backend, shards, bodies)
+
+        def new(n: int, side: str = "") -> list[dict[str, Any]]:
+            return [friendfeed_entity() for _ in range(n)]
+
+        n = _calibrate(Work("", on.put, raw.put_fed, new), seconds, 20, 200_000)
+        fns = {"on": on.put, "off": off.put, "raw on": raw.put_fed, "raw off": raw.put}
+        sides = {k: (lambda fn=fn, n=n: _rate(fn, new(n))) for k, fn in fns.items()}
+        r = alternate(sides, rounds)
+        b_cost = [a / b for a, b in zip(r["on"], r["off"], strict=True)]
+        r_cost = [a / b for a, b in zip(r["raw on"], r["raw off"], strict=True)]
+        rows += [
+            paired(f"{backend}: put, feed on ({with_} bodies) vs off, puts", r["on"], r["off"],
+                   goal=0.9),
+            paired(f"{backend}: put, feed on ({with_} bodies) vs raw: entity + change row + "
+                   "position update in one transaction, puts", r["on"], r["raw on"], goal=0.8),
+            paired(f"{backend}: feed cost ({with_} bodies), on/off: bagstore vs raw SQL "
+                   "(same transaction vs the upsert alone)", b_cost, r_cost, goal="report",
+                   unit="x"),
+        ]  # fmt: skip
+        raw.close()
         on.close()
     off.close()
     return rows
 
 
-def read_speed(backend: str, urls: list[str], raw_of: Any, total: int, rounds: int) -> Row:
-    ds = bagstore.Datastore(urls, buckets=64, kind="readme")
+def read_speed(backend: str, shards: Shards, total: int, rounds: int) -> Row:
+    ds = bagstore.Datastore(shards.urls[:SHARDS], buckets=BUCKETS, kind="readme")
     ds.feed.enable(bodies=True)
     for start in range(0, total, 500):
         ds.put_many([friendfeed_entity() for _ in range(min(500, total - start))])
-    conns = [raw_of(i) for i in range(SHARDS)]
+    conns = [shards.connect(i) for i in range(SHARDS)]
     p = "?" if backend == "sqlite" else "%s"
+    sql = (
+        "SELECT bucket, pos, id, op, version, updated, body FROM bagstore_changes "
+        f"WHERE kind = {p} AND (bucket > {p} OR (bucket = {p} AND pos > {p})) "
+        "ORDER BY bucket, pos LIMIT 1000"
+    )
 
-    def bag_all() -> int:
-        n, since = 0, None
-        while True:
-            page = ds.changes(since=since, limit=1000)
+    def bag_all() -> float:
+        n, since, t0 = 0, None, time.perf_counter()
+        while page := ds.changes(since=since, limit=1000):
             n += len(page)
             since = page.cursor
-            if not page:
-                return n
+        assert n == total, (n, total)
+        return n / (time.perf_counter() - t0)
 
-    def raw_all() -> int:
-        n = 0
+    def raw_all() -> float:
+        n, t0 = 0, time.perf_counter()
         for conn in conns:
-            after = (-1, 0)
+            after, cur = (-1, 0), conn.cursor()
             while True:
-                cur = conn.cursor()
-                cur.execute(
-                    "SELECT bucket, pos, id, op, version, updated, body FROM bagstore_changes "
-                    f"WHERE kind = {p} AND (bucket > {p} OR (bucket = {p} AND pos > {p})) "
-                    "ORDER BY bucket, pos LIMIT 1000",
-                    ["readme", after[0], after[0], after[1]],
-                )
+                cur.execute(sql, ["readme", after[0], after[0], after[1]])
                 got = cur.fetchall()
-                cur.close()
                 for r in got:
                     codec.decode(bytes(r[6]))
                 n += len(got)
                 if len(got) < 1000:
                     break
                 after = (int(got[-1][0]), int(got[-1][1]))
-        return n
+            cur.close()
+        assert n == total, (n, total)
+        return n / (time.perf_counter() - t0)
 
-    bag_rates: list[float] = []
-    raw_rates: list[float] = []
-    for i in range(rounds):
-        for side in ("bag", "raw") if i % 2 == 0 else ("raw", "bag"):
-            t0 = time.perf_counter()
-            n = bag_all() if side == "bag" else raw_all()
-            rate = n / (time.perf_counter() - t0)
-            assert n == total, (side, n, total)
-            (bag_rates if side == "bag" else raw_rates).append(rate)
+    r = alternate({"bag": bag_all, "raw": raw_all}, rounds)
     for conn in conns:
         conn.close()
     ds.close()
-    ratio = statistics.median(b / r for b, r in zip(bag_rates, raw_rates, strict=True))
-    return Row(
-        f"{backend}: changes read (pages of 1,000, bodies), changes",
-        statistics.median(bag_rates),
-        statistics.median(raw_rates),
-        ratio,
-        ">= 0.80x",
-        ratio >= 0.8,
-    )
+    return paired(f"{backend}: changes read (pages of 1,000, bodies), changes", r["bag"],
+                  r["raw"], goal=0.8)  # fmt: skip
 
 
 def _writers(ds: bagstore.Datastore, threads: int, seconds: float) -> float:
@@ -195,31 +240,21 @@ def one_bucket(backend: str, urls: list[str], rounds: int, seconds: float) -> Ro
     """Four threads writing one bucket (a kind placed by a shard key, one key):
     with the feed on, each write holds the bucket's position row until it
     commits, so these writers commit one after another."""
-    on = bagstore.Datastore(urls, buckets=64, kind="hot_on", shard_key="user")
+    on = bagstore.Datastore(urls, buckets=BUCKETS, kind="hot_on", shard_key="user")
     on.feed.enable()
-    off = bagstore.Datastore(urls, buckets=64, kind="hot_off", shard_key="user")
-    bag: list[float] = []
-    raw: list[float] = []
-    for i in range(rounds):
-        for side in ("on", "off") if i % 2 == 0 else ("off", "on"):
-            (bag if side == "on" else raw).append(_writers(on if side == "on" else off, 4, seconds))
+    off = bagstore.Datastore(urls, buckets=BUCKETS, kind="hot_off", shard_key="user")
+    r = alternate({"on": lambda: _writers(on, 4, seconds),
+                   "off": lambda: _writers(off, 4, seconds)}, rounds)  # fmt: skip
     on.close()
     off.close()
-    ratio = statistics.median(b / r for b, r in zip(bag, raw, strict=True))
-    return Row(
-        f"{backend}: 4 writers of one bucket, feed on vs off, puts",
-        statistics.median(bag),
-        statistics.median(raw),
-        ratio,
-        "report",
-        None,
-    )
+    return paired(f"{backend}: 4 writers of one bucket, feed on vs off, puts", r["on"], r["off"],
+                  goal="report")  # fmt: skip
 
 
 def lag(backend: str, urls: list[str], seconds: float) -> Row:
-    ds = bagstore.Datastore(urls, buckets=64, kind="lagged")
+    ds = bagstore.Datastore(urls, buckets=BUCKETS, kind="lagged")
     ds.feed.enable()
-    reader = bagstore.Datastore(urls, buckets=64, kind="lagged")
+    reader = bagstore.Datastore(urls, buckets=BUCKETS, kind="lagged")
     stop = threading.Event()
     lags: list[float] = []
     since = reader.feed.end_cursor()
@@ -245,42 +280,31 @@ def lag(backend: str, urls: list[str], seconds: float) -> Row:
     ds.close()
     reader.close()
     p99 = statistics.quantiles(lags, n=100)[98] if len(lags) > 100 else float("nan")
-    return Row(
-        f"{backend}: lag p99 at 500 puts/s ({len(lags)} changes)",
-        p99,
-        None,
-        None,
-        "report",
-        None,
-        unit=" ms",
-    )
+    return Row(f"{backend}: lag p99 at 500 puts/s ({len(lags)} changes)", p99, None,
+               goal="report", unit=" ms")  # fmt: skip
+
+
+def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
+    with fresh_shards(backend, SHARDS + 1, "bagbench_feed") as shards:
+        urls = shards.urls[:SHARDS]
+        return [
+            *put_cost(backend, shards, args.rounds, args.seconds),
+            one_bucket(backend, urls, args.rounds, args.seconds),
+            read_speed(backend, shards, args.changes, args.rounds),
+            lag(backend, urls, args.lag_seconds),
+        ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
-    add_common_args(p)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--seconds", type=float, default=1.0)
-    args = p.parse_args(argv)
-    backends = plan(args.backend)
-    if backends is None:
-        return 2
-    rounds, seconds = (3, 0.3) if args.quick else (args.rounds, args.seconds)
-    total = 4000 if args.quick else 20_000
-    print_machine(args.format)
-    rows: list[Row] = []
-    for backend in backends:
-        with open_store(backend) as (urls, raw_of):
-            rows += put_cost(backend, urls, rounds, seconds)
-            rows.append(one_bucket(backend, urls, rounds, seconds))
-            rows.append(read_speed(backend, urls, raw_of, total, rounds))
-            rows.append(lag(backend, urls, 2.0 if args.quick else 10.0))
-    print_rows(
-        f"bench.changes: the change feed ({SHARDS} shards), medians of {rounds} rounds",
-        rows,
-        fmt=args.format,
-    )
-    return 0
+    options = {
+        "rounds": (int, 5, 3, "interleaved rounds"),
+        "seconds": (float, 1.0, 0.1, "one round of puts"),
+        "changes": (int, 20_000, 2000, "changes read"),
+        "lag-seconds": (float, 10.0, 1.0, "seconds of following"),
+    }
+    args = suite_args(argv, "the change feed beside the same puts without it, and raw SQL", options)
+    title = f"bench.changes: the change feed ({SHARDS} shards), medians of {args.rounds} rounds"
+    return run_suite(args, title, run_backend)
 
 
 if __name__ == "__main__":

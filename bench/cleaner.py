@@ -42,32 +42,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sqlite3
-import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import bagstore
 from bagstore import codec, keys
-from bagstore.backends.sqlite import SQLiteBackend
 from bagstore.sharding.hashing import bucket_of
 from bench.common import (
     Row,
-    add_common_args,
+    alternate,
+    fresh_shards,
     friendfeed_entity,
-    mysql_connect,
-    mysql_url,
-    plan,
-    print_machine,
-    print_rows,
+    label_of,
+    log,
+    paired,
     rows_of,
-    temp_databases,
+    run_suite,
+    suite_args,
 )
-from bench.live import KIND, WriterSpec, raw_row, raw_upsert_sql, timed_beside
+from bench.live import KIND, WriterSpec, raw_row, raw_upsert_sql, timed_beside, writer_rows
 
 TABLE = "index_user_id"
 INDEX = bagstore.Index(TABLE, ["user_id"])
@@ -79,10 +75,6 @@ GOAL_CEILING, GOAL_HAND = 0.5, 0.9
 GOAL_P99_RATIO, GOAL_STALL = 2.0, 0.050
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 @dataclass
 class Side:
     """One backend: the one-shard store, a raw connection to its shard, and the
@@ -90,7 +82,7 @@ class Side:
 
     backend: str
     ds: Any
-    bag_target: Any  # for the writer: shard URLs or the SQLite root
+    bag_target: Any  # for the writer: shard URLs
     shard: Any  # DB-API connection to the store's one shard database / file
     doc_target: str  # baseline database name / file path
     doc: Any  # DB-API connection to it
@@ -118,38 +110,20 @@ def open_side(backend: str) -> Iterator[Side]:
     from bagstore.backends.mysql import MySQLDialect
     from bagstore.backends.sqlite import SQLiteDialect
 
-    with contextlib.ExitStack() as stack:
-        if backend == "mysql":
-            names = stack.enter_context(temp_databases(2, prefix="bst_bench_cln"))
-            urls = [mysql_url(names[0])]
-            ds = bagstore.Datastore(urls)
-            shard: Any = mysql_connect(names[0])
-            doc: Any = mysql_connect(names[1])
-            dialect: Any = MySQLDialect()
-            side = Side(backend, ds, urls, shard, names[1], doc, dialect)
-            doc_column = "ALTER TABLE entities ADD COLUMN doc JSON NOT NULL"
-        else:
-            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bst_bench_cln_"))
-            ds = bagstore.open(os.path.join(root, "bag"), shards=1)
-            shard = _lite(cast(SQLiteBackend, ds.router.backends[0]).path)
-            doc = _lite(os.path.join(root, "raw.db"))
-            dialect = SQLiteDialect()
-            side = Side(backend, ds, os.path.join(root, "bag"), shard, "", doc, dialect)
-            side.doc_target = os.path.join(root, "raw.db")
-            doc_column = "ALTER TABLE entities ADD COLUMN doc TEXT NOT NULL DEFAULT '{}'"
-        stack.callback(ds.close)
-        stack.callback(shard.close)
-        stack.callback(doc.close)
-        for sql in [*dialect.create_entities_sql(KIND), doc_column]:
-            side.run(doc, sql)
-        yield side
-
-
-def _lite(path: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, timeout=120, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    return conn
+    with fresh_shards(backend, 2, "bst_bench_cln") as shards:
+        ds = bagstore.Datastore(shards.urls[:1])
+        shard, raw = shards.connect(0), shards.connect(1)
+        dialect: Any = MySQLDialect() if backend == "mysql" else SQLiteDialect()
+        side = Side(backend, ds, shards.urls[:1], shard, shards.targets[1], raw, dialect)
+        doc = "JSON NOT NULL" if backend == "mysql" else "TEXT NOT NULL DEFAULT '{}'"
+        try:
+            for sql in [*dialect.create_entities_sql(KIND), f"ALTER TABLE {KIND} ADD doc {doc}"]:
+                side.run(raw, sql)
+            yield side
+        finally:
+            ds.close()
+            shard.close()
+            raw.close()
 
 
 def load(side: Side, rows: int) -> None:
@@ -255,41 +229,34 @@ def bag_backfill(side: Side, duty: float = 0.0, batch: int | None = None) -> flo
 
 def flat_out(side: Side, rows: int, rounds: int) -> dict[str, list[float]]:
     """Rates (rows/s) of the three builds, round by round."""
-    rates: dict[str, list[float]] = {"bag": [], "ceiling": [], "hand": []}
 
-    def bag() -> None:
+    def bag() -> float:
         seconds = bag_backfill(side)
         got = count(side, TABLE)
         assert got == rows, f"the backfill left {got:,} index rows for {rows:,} entities"
-        rates["bag"].append(rows / seconds)
+        return rows / seconds
 
-    def ceiling() -> None:
+    def ceiling() -> float:
         fresh_table(side, "ceiling_rows")
         statements = ceiling_statements(side, "ceiling_rows")
         t0 = time.perf_counter()
         for sql, params in statements:
             side.write(side.shard, sql, params)
-        rates["ceiling"].append(rows / (time.perf_counter() - t0))
+        rate = rows / (time.perf_counter() - t0)
         assert count(side, "ceiling_rows") == rows
         side.run(side.shard, "DROP TABLE ceiling_rows")
+        return rate
 
-    def hand() -> None:
+    def hand() -> float:
         fresh_table(side, "hand_rows")
         t0 = time.perf_counter()
         written = by_hand(side, "hand_rows")
-        rates["hand"].append(rows / (time.perf_counter() - t0))
+        rate = rows / (time.perf_counter() - t0)
         assert written == rows == count(side, "hand_rows")
         side.run(side.shard, "DROP TABLE hand_rows")
+        return rate
 
-    order: list[Callable[[], None]] = [bag, ceiling, hand]
-    for i in range(rounds):
-        for step in order if i % 2 == 0 else reversed(order):
-            step()
-        log(
-            f"  [{side.backend}] round {i + 1}: backfill {rates['bag'][-1]:,.0f} rows/s, "
-            f"ceiling {rates['ceiling'][-1]:,.0f}, by hand {rates['hand'][-1]:,.0f}"
-        )
-    return rates
+    return alternate({"bag": bag, "ceiling": ceiling, "hand": hand}, rounds)
 
 
 # -- with a writer: the Cleaner's default pace beside the database's own build ---------------
@@ -317,7 +284,7 @@ def ddl_statements(backend: str) -> tuple[list[str], list[str]]:
 
 
 def with_writer(side: Side, rows: int, args: argparse.Namespace) -> list[Row]:
-    label = "mariadb" if side.backend == "mysql" else side.backend
+    label = label_of(side.backend)
     ds = side.ds
     ds.retire_index(TABLE)
     ds.drop_index(TABLE)
@@ -343,103 +310,48 @@ def with_writer(side: Side, rows: int, args: argparse.Namespace) -> list[Row]:
         f"{bb.p99 * 1e3:.1f} -> {bd.p99 * 1e3:.1f} ms; DDL {rows / rs:,.0f} rows/s, writer p99 "
         f"{rb.p99 * 1e3:.1f} -> {rd.p99 * 1e3:.1f} ms"
     )
-    where = f"writer {args.rate:,.0f}/s"
-    return [
-        Row(
-            f"{label}: backfill at the default pace vs own DDL, {where} (rows/s)",
-            rows / bs,
-            rows / rs,
-        ),
-        Row(
-            f"{label}: writer p99 during/before the build, {where}",
-            b_ratio,
-            r_ratio,
-            goal=f"bagstore <= {GOAL_P99_RATIO:.0f}x",
-            met=b_ratio <= GOAL_P99_RATIO and not errors,
-            unit="x",
-        ),
-        Row(
-            f"{label}: longest write during the build, {where}",
-            bd.max * 1e3,
-            rd.max * 1e3,
-            goal=f"bagstore <= {GOAL_STALL * 1e3:.0f} ms",
-            met=bd.max <= GOAL_STALL,
-            unit=" ms",
-        ),
-    ]
+    what = "backfill at the default pace vs own DDL|build|rows/s"
+    pace = (rows / bs, rows / rs, None)
+    return writer_rows(label, args.rate, what, pace, (b_ratio, r_ratio), (bd.max, rd.max),
+                       (GOAL_P99_RATIO, GOAL_STALL), errors)  # fmt: skip
 
 
 # -- main -------------------------------------------------------------------------------------
 
 
 def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
-    rows = args.rows
-    label = "mariadb" if backend == "mysql" else backend
+    rows, label = args.rows, label_of(backend)
     log(f"[{backend}] {rows:,} entities, one shard, {args.rounds} rounds")
     with open_side(backend) as side:
         load(side, rows)
         rates = flat_out(side, rows, args.rounds)
-        ratio_c = statistics.median(
-            b / c for b, c in zip(rates["bag"], rates["ceiling"], strict=True)
-        )
-        ratio_h = statistics.median(b / h for b, h in zip(rates["bag"], rates["hand"], strict=True))
-        bag = statistics.median(rates["bag"])
+        what = f"backfill flat out vs {{}}, {rows:,} rows (rows/s)"
         out = [
-            Row(
-                f"{label}: backfill flat out vs raw-insert ceiling, {rows:,} rows (rows/s)",
-                bag,
-                statistics.median(rates["ceiling"]),
-                ratio_c,
-                f">= {GOAL_CEILING}x (aim 0.8x)",
-                ratio_c >= GOAL_CEILING,
-            ),
-            Row(
-                f"{label}: backfill flat out vs a Python loop by hand, {rows:,} rows (rows/s)",
-                bag,
-                statistics.median(rates["hand"]),
-                ratio_h,
-                f">= {GOAL_HAND}x",
-                ratio_h >= GOAL_HAND,
-            ),
-        ]
+            paired(f"{label}: " + what.format("raw-insert ceiling"), rates["bag"],
+                   rates["ceiling"], GOAL_CEILING),
+            paired(f"{label}: " + what.format("a Python loop by hand"), rates["bag"],
+                   rates["hand"], GOAL_HAND),
+        ]  # fmt: skip
+        out[0].goal += " (aim 0.8x)"
         if args.rate > 0:
             out += with_writer(side, rows, args)
     return out
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="the Cleaner's backfill beside raw SQL")
-    add_common_args(p)
-    p.add_argument("--rows", type=int, default=None, help="entities (100,000; --quick 5,000)")
-    p.add_argument("--rounds", type=int, default=None, help="flat-out rounds (3; --quick 1)")
-    p.add_argument("--rate", type=float, default=500.0, help="writer puts/s (0: no writer part)")
-    p.add_argument("--before", type=float, default=None, help="seconds of writes before (3)")
-    args = p.parse_args(argv)
-    args.rows = args.rows or (5_000 if args.quick else 100_000)
-    args.rounds = args.rounds or (1 if args.quick else 3)
-    args.before = args.before if args.before is not None else (1.0 if args.quick else 3.0)
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m bench.cleaner``."""
-    args = parse_args(argv)
-    backends = plan(args.backend)
-    if backends is None:
-        return 2
-    print_machine(args.format)
-    started = time.perf_counter()
-    rows: list[Row] = []
-    for backend in backends:
-        rows += run_backend(backend, args)
-    print_rows(
+    options = {
+        "rows": (int, 100_000, 5_000, "entities"),
+        "rounds": (int, 3, 1, "flat-out rounds"),
+        "rate": (float, 500.0, 500.0, "writer puts/s (0: no writer part)"),
+        "before": (float, 3.0, 0.5, "seconds of writes before"),
+    }
+    args = suite_args(argv, "the Cleaner's backfill beside raw SQL", options)
+    title = (
         f"bench.cleaner: index backfill, bagstore vs raw SQL doing the same work (rows/s; "
-        f"medians of {args.rounds} rounds; the writer rows: one run)",
-        rows,
-        fmt=args.format,
+        f"medians of {args.rounds} rounds; the writer rows: one run)"
     )
-    log(f"total {time.perf_counter() - started:.0f}s")
-    return 0
+    return run_suite(args, title, run_backend)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def pipelines() -> dict[str, Pipeline]:
         ),
     }
     try:
-        import orjson
+        import orjson  # type: ignore[import-not-found,unused-ignore]
     except ImportError:  # optional, only for comparison
         pass
     else:

@@ -28,26 +28,6 @@ from typing import Any
 from bagstore.backends.mysql import INIT_COMMAND
 from bagstore.ids import new_id
 
-__all__ = [
-    "MYSQL_HOST",
-    "MYSQL_PORT",
-    "MYSQL_USER",
-    "Result",
-    "Row",
-    "Work",
-    "compare",
-    "friendfeed_entity",
-    "machine_info",
-    "median_rate",
-    "mysql_available",
-    "mysql_connect",
-    "mysql_url",
-    "print_rows",
-    "print_table",
-    "rows_of",
-    "temp_databases",
-]
-
 MYSQL_HOST = os.environ.get("BAGSTORE_BENCH_MYSQL_HOST", "127.0.0.1")
 MYSQL_PORT = int(os.environ.get("BAGSTORE_BENCH_MYSQL_PORT", "3306"))
 MYSQL_USER = os.environ.get("BAGSTORE_BENCH_MYSQL_USER", "root")
@@ -176,6 +156,8 @@ def compare(
     """Time ``work`` on both sides: a warm-up, then ``rounds`` interleaved
     rounds of the same number of calls, bagstore first in even rounds, raw
     first in odd ones."""
+    t0 = time.perf_counter()
+    min_ops = max(3, min_ops * 50 // max(50, work.units))  # a call of 500 entities: 3 calls
     n = _calibrate(work, seconds, min_ops, max_ops)
     bag: list[Sample] = []
     raw: list[Sample] = []
@@ -186,7 +168,12 @@ def compare(
         for side, fn, out in order:
             inputs = work.inputs(n, side)
             out.append(_run_round(fn, inputs, work.units))
-    return Result(work.name, backend, bag, raw)
+    r = Result(work.name, backend, bag, raw)
+    log(
+        f"  {backend:18} {work.name:34} bagstore {r.bag_rate:>10,.0f}/s  raw {r.raw_rate:>10,.0f}/s"
+        f"  ratio {r.ratio:.2f}  ({time.perf_counter() - t0:.1f}s)"
+    )
+    return r
 
 
 # -- printing: one table per bench, one row per metric -----------------------------------
@@ -239,7 +226,8 @@ def result_row(r: Result) -> Row:
 
 
 def print_rows(title: str, rows: Sequence[Row], *, fmt: str = "rich") -> None:
-    """The bench's table: metric, bagstore, raw, ratio, goal, met?"""
+    """The bench's table (metric, bagstore, raw, ratio, goal, met?) as a rich
+    table, a plain one, or Markdown (``fmt``)."""
     RECORDED.extend((title, r) for r in rows)
     body = [
         [
@@ -252,17 +240,7 @@ def print_rows(title: str, rows: Sequence[Row], *, fmt: str = "rich") -> None:
         ]
         for r in rows
     ]
-    print_table(title, body, fmt=fmt)
-
-
-def print_table(
-    title: str,
-    body: Sequence[Sequence[str]],
-    *,
-    fmt: str = "rich",
-    headers: Sequence[str] = HEADERS,
-) -> None:
-    """Print rows of text as a rich table, a plain one, or Markdown (``fmt``)."""
+    headers = HEADERS
     if fmt == "rich":
         try:
             from rich.console import Console
@@ -322,24 +300,13 @@ def plan(backend: str) -> list[str] | None:
 # -- MariaDB -------------------------------------------------------------------------
 
 
-def _driver_module(driver: str) -> Any:
-    if driver == "pymysql":
-        import pymysql
-
-        return pymysql
-    if driver == "mysqlclient":
-        import MySQLdb
-
-        return MySQLdb
-    raise ValueError(f"unknown driver {driver!r}")
-
-
 def mysql_connect(
     database: str | None = None,
     *,
     driver: str = "pymysql",
     host: str | None = None,
     port: int | None = None,
+    **extra: Any,
 ) -> Any:
     """A raw DB-API connection with the session settings bagstore uses
     (autocommit, utf8mb4, UTC, strict sql_mode, ``_binary`` prefix); to the
@@ -353,10 +320,17 @@ def mysql_connect(
         "autocommit": True,
         "init_command": INIT_COMMAND,
         "binary_prefix": True,
+        **extra,
     }
     if database is not None:
         args["database"] = database
-    return _driver_module(driver).connect(**args)
+    if driver == "mysqlclient":
+        import MySQLdb
+
+        return MySQLdb.connect(**args)
+    import pymysql
+
+    return pymysql.connect(**args)
 
 
 def rows_of(conn: Any, sql: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
@@ -468,49 +442,241 @@ def open_env(
     ``extra_stores`` (``{name: (shards, indexes, keywords)}``) opens more
     datastores in ``env.extra[name]``, each on its own fresh databases.
     """
-    import tempfile
-
     import bagstore
     from bagstore.backends.mysql import MySQLDialect
     from bagstore.backends.sqlite import SQLiteDialect
 
+    if backend not in ("sqlite", "mysql"):
+        raise ValueError(f"unknown backend {backend!r}")
     extra_stores = extra_stores or {}
+    total = shards + sum(spec[0] for spec in extra_stores.values()) + 1
     with contextlib.ExitStack() as stack:
-        if backend == "sqlite":
-            dialect: Any = SQLiteDialect()
-            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bagbench_"))
+        fresh = stack.enter_context(fresh_shards(backend, total))
+        mysql = backend == "mysql"
+        dialect: Any = MySQLDialect() if mysql else SQLiteDialect()
+        urls = [mysql_url(t, driver=driver) for t in fresh.targets] if mysql else fresh.urls
+        free = iter(urls[1:])
 
-            def make_store(name: str, n: int, idx: Sequence[Any], **kw: Any) -> Any:
-                return bagstore.open(os.path.join(root, name), indexes=idx, shards=n, **kw)
+        def make_store(n: int, idx: Sequence[Any], **kw: Any) -> Any:
+            ds = bagstore.Datastore([next(free) for _ in range(n)], indexes=idx, **kw)
+            stack.callback(ds.close)
+            return ds
 
-            raw: Any = sqlite3.connect(os.path.join(root, "raw.db"), isolation_level=None)
-            raw.execute("PRAGMA journal_mode=WAL")
-            raw.execute("PRAGMA synchronous=NORMAL")
-            stack.callback(raw.close)
-            label = "sqlite"
-        elif backend == "mysql":
-            dialect = MySQLDialect()
-            total = shards + sum(spec[0] for spec in extra_stores.values()) + 1
-            names = stack.enter_context(temp_databases(total))
-            free = iter(names[1:])
-
-            def make_store(name: str, n: int, idx: Sequence[Any], **kw: Any) -> Any:
-                urls = [mysql_url(next(free), driver=driver) for _ in range(n)]
-                return bagstore.Datastore(urls, indexes=idx, **kw)
-
-            raw = mysql_connect(names[0], driver=driver)
-            stack.callback(raw.close)
-            label = f"mariadb/{driver}"
-        else:
-            raise ValueError(f"unknown backend {backend!r}")
+        raw = connect_target(fresh.targets[0], driver)
+        stack.callback(raw.close)
         for sql in raw_ddl(dialect) if raw_ddl else []:
-            cur = raw.cursor()
-            cur.execute(sql)
-            cur.close()
-        ds = make_store("bag", shards, indexes)
-        stack.callback(ds.close)
-        env = Env(label, dialect, ds, raw)
+            rows_of(raw, sql)
+        env = Env(
+            f"mariadb/{driver}" if mysql else "sqlite", dialect, make_store(shards, indexes), raw
+        )
         for name, (n, idx, kw) in extra_stores.items():
-            env.extra[name] = make_store(name, n, idx, **kw)
-            stack.callback(env.extra[name].close)
+            env.extra[name] = make_store(n, idx, **kw)
         yield env
+
+
+# -- raw connections, fresh shards, interleaved rounds, the suites' main -----------------
+
+
+def sqlite_connect(path: str) -> sqlite3.Connection:
+    """A raw SQLite connection with bagstore's settings (WAL, synchronous=NORMAL),
+    autocommit, usable from any thread, waiting up to 120 s for a lock."""
+    conn = sqlite3.connect(path, timeout=120, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+def connect_target(target: str, driver: str = "pymysql", **extra: Any) -> Any:
+    """A raw autocommit connection to a SQLite file (a path) or a database of the
+    bench's MariaDB server (a name)."""
+    if os.sep in target:
+        return sqlite_connect(target)
+    return mysql_connect(target, driver=driver, **extra)
+
+
+@dataclass
+class Shards:
+    """Fresh, empty shards: bagstore URLs and, for raw connections, their targets
+    (SQLite file paths or MariaDB database names)."""
+
+    urls: list[str]
+    targets: list[str]
+
+    def connect(self, i: int, **extra: Any) -> Any:
+        return connect_target(self.targets[i], **extra)
+
+
+@contextlib.contextmanager
+def fresh_shards(backend: str, n: int, prefix: str = "bagbench") -> Iterator[Shards]:
+    """``n`` fresh shards (SQLite files in a temp directory, or databases on the
+    MariaDB server), removed afterwards."""
+    import tempfile
+
+    if backend == "sqlite":
+        with tempfile.TemporaryDirectory(prefix=prefix + "_") as root:
+            paths = [os.path.join(root, f"s{i}.db") for i in range(n)]
+            yield Shards([f"sqlite:///{p}" for p in paths], paths)
+    else:
+        with temp_databases(n, prefix) as names:
+            yield Shards([mysql_url(x) for x in names], names)
+
+
+def alternate(sides: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Run each side's round (returning its rate) ``rounds`` times, the order
+    reversed every other round; the rates by side."""
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    order = list(sides)
+    for i in range(rounds):
+        for name in order if i % 2 == 0 else reversed(order):
+            rates[name].append(sides[name]())
+    return rates
+
+
+def paired(
+    metric: str, bag: Sequence[float], raw: Sequence[float], goal: float | str = "", **kw: Any
+) -> Row:
+    """A row of medians of interleaved rates, the ratio the median of the
+    per-round ratios; ``goal`` a least ratio (``>= 0.9x``) or a word."""
+    ratio = statistics.median(b / r for b, r in zip(bag, raw, strict=True))
+    met = None if isinstance(goal, str) else ratio >= goal
+    text = goal if isinstance(goal, str) else f">= {goal}x"
+    return Row(metric, statistics.median(bag), statistics.median(raw), ratio, text, met, **kw)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def label_of(backend: str) -> str:
+    return "mariadb" if backend == "mysql" else backend
+
+
+#: an option of a suite: (type or list of choices, default, --quick default, help)
+Option = tuple[Any, Any, Any, str]
+
+
+def suite_args(
+    argv: list[str] | None,
+    description: str,
+    options: Mapping[str, Option],
+    backends: Sequence[str] = ("sqlite", "mysql"),
+) -> argparse.Namespace:
+    """The common options (``--backend``, ``--quick``, ``--format``) and the
+    suite's own, whose defaults ``--quick`` replaces."""
+    p = argparse.ArgumentParser(description=description)
+    add_common_args(p, backends)
+    for name, (kind, full, _, help_) in options.items():
+        how = {"choices": kind} if isinstance(kind, list) else {"type": kind}
+        p.add_argument("--" + name, **how, default=None, help=f"{help_} (default {full})")
+    args = p.parse_args(argv)
+    for name, (_, full, quick, _) in options.items():
+        key = name.replace("-", "_")
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+        value = getattr(args, key)
+        if isinstance(value, int | float) and value < (1 if name == "rounds" else 0):
+            p.error(f"--{name} must be at least {1 if name == 'rounds' else 0}")
+    return args
+
+
+def run_suite(
+    args: argparse.Namespace,
+    title: str,
+    run_backend: Callable[[str, argparse.Namespace], Sequence[Row]],
+) -> int:
+    """Run ``run_backend`` for each backend asked for (MariaDB left out with a
+    line when it does not answer), then print the table; a backend that fails
+    is reported and the others still run (exit code 1)."""
+    backends = plan(args.backend)
+    if backends is None:
+        return 2
+    print_machine(args.format)
+    started = time.perf_counter()
+    rows: list[Row] = []
+    failed: list[str] = []
+    for backend in backends:
+        try:
+            rows += run_backend(backend, args)
+        except Exception as exc:  # report it, run the others
+            failed.append(f"{backend}: {type(exc).__name__}: {exc}")
+            log(f"FAILED {failed[-1]}")
+    print_rows(title, rows, fmt=args.format)
+    for line in failed:
+        print(f"FAILED {line}")
+    log(f"total {time.perf_counter() - started:.0f}s")
+    return 1 if failed else 0
+
+
+# -- counting the statements a bagstore backend sends ----------------------------------------
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.db = 0
+        self.cache = 0
+
+
+class _Cursor:
+    def __init__(self, cur: Any, counter: Counter) -> None:
+        self._cur, self._counter = cur, counter
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        self._counter.db += 1
+        return self._cur.execute(*args, **kwargs)
+
+    def executemany(self, *args: Any, **kwargs: Any) -> Any:
+        self._counter.db += 1
+        return self._cur.executemany(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cur, name)
+
+
+class _Conn:
+    def __init__(self, conn: Any, counter: Counter, commits: bool) -> None:
+        self._conn, self._counter, self._commits = conn, counter, commits
+
+    def cursor(self, *args: Any) -> _Cursor:
+        return _Cursor(self._conn.cursor(*args), self._counter)
+
+    def commit(self) -> Any:
+        self._counter.db += self._commits
+        return self._conn.commit()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def count_statements(backend: Any, counter: Counter, *, commits: bool = True) -> None:
+    """Count in ``counter.db`` every statement ``backend`` sends through its
+    ``run`` (and each ``commit``, unless ``commits`` is false)."""
+    original = backend.run
+
+    def run(work: Any, *args: Any, **kw: Any) -> Any:
+        return original(lambda conn: work(_Conn(conn, counter, commits), *args), **kw)
+
+    backend.run = run
+
+
+def raw_connector(env: Env) -> Callable[[], Any]:
+    """A function opening another raw connection to ``env``'s raw database."""
+    if env.dialect.name == "sqlite":
+        target = env.raw.execute("PRAGMA database_list").fetchone()[2]
+    else:
+        (target,) = rows_of(env.raw, "SELECT DATABASE()")[0]
+    driver = "mysqlclient" if "mysqlclient" in env.label else "pymysql"
+    return lambda: connect_target(target, driver)
+
+
+def in_threads(n: int, body: Callable[[int], object]) -> float:
+    """``body(k)`` for k in 0..n-1, each in a thread of its own, all at once;
+    the seconds until the last one ended."""
+    import threading
+
+    threads = [threading.Thread(target=body, args=(k,)) for k in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0

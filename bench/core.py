@@ -34,16 +34,16 @@ from bagstore import codec
 from bagstore.sharding.hashing import bucket_of
 from bench.common import (
     Env,
+    Option,
     Result,
+    Row,
     Work,
     compare,
     friendfeed_entity,
-    mysql_available,
     open_env,
-    print_machine,
-    print_rows,
-    print_table,
     result_row,
+    run_suite,
+    suite_args,
 )
 
 KIND = "entities"
@@ -150,133 +150,39 @@ def judge(r: Result, backend: str) -> Result:
     return r
 
 
-def run_backend(
-    backend: str, *, driver: str, rounds: int, seconds: float, log: Any = None
-) -> list[Result]:
-    results = []
-    with open_env(backend, shards=SHARDS, raw_ddl=_entities_ddl, driver=driver) as env:
-        ids = prefill(env)
-        for work in works(env, ids):
-            t0 = time.perf_counter()
-            r = judge(compare(work, env.label, rounds=rounds, seconds=seconds), backend)
-            results.append(r)
-            if log is not None:
-                log(
-                    f"  {env.label:18} {r.work:15} bagstore {r.bag_rate:>10,.0f}/s  "
-                    f"raw {r.raw_rate:>10,.0f}/s  ratio {r.ratio:.2f}  "
-                    f"({time.perf_counter() - t0:.1f}s)"
-                )
-    return results
+#: the options of bench.core and bench.indexes
+OPTIONS: dict[str, Option] = {
+    "driver": (["pymysql", "mysqlclient", "all"], "pymysql", "pymysql", "MySQL driver, both sides"),
+    "rounds": (int, 7, 3, "interleaved rounds"),
+    "seconds": (float, 0.3, 0.06, "length of one round"),
+}
 
 
-def driver_table(by_driver: dict[str, list[Result]]) -> tuple[list[str], list[list[str]]]:
-    """bagstore and raw rates under each MySQL driver, side by side."""
-    drivers = list(by_driver)
-    headers = ["work"]
-    for drv in drivers:
-        headers += [f"bagstore {drv}", f"raw {drv}"]
-    if len(drivers) == 2:
-        headers.append(f"bagstore {drivers[1]}/{drivers[0]}")
+def drivers(backend: str, args: argparse.Namespace) -> list[str]:
+    if backend == "sqlite":
+        return ["pymysql"]  # unused
+    return ["pymysql", "mysqlclient"] if args.driver == "all" else [args.driver]
+
+
+def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
     rows = []
-    for i, r0 in enumerate(by_driver[drivers[0]]):
-        row = [r0.work]
-        for drv in drivers:
-            r = by_driver[drv][i]
-            row += [f"{r.bag_rate:,.0f}", f"{r.raw_rate:,.0f}"]
-        if len(drivers) == 2:
-            a, b = by_driver[drivers[0]][i], by_driver[drivers[1]][i]
-            row.append(f"{b.bag_rate / a.bag_rate:.2f}")
-        rows.append(row)
-    return headers, rows
-
-
-def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--backend", choices=["sqlite", "mysql", "all"], default="all")
-    p.add_argument(
-        "--driver",
-        choices=["pymysql", "mysqlclient", "all"],
-        default="pymysql",
-        help="MySQL driver for bagstore and the raw baseline alike (all: each in turn)",
-    )
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7)")
-    p.add_argument("--seconds", type=float, default=None, help="length of one round")
-    p.add_argument("--quick", action="store_true", help="3 short rounds: a smoke run")
-    p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
-    args = p.parse_args(argv)
-    if args.rounds is None:
-        args.rounds = 3 if args.quick else 7
-    if args.seconds is None:
-        args.seconds = 0.06 if args.quick else 0.3
-    if args.rounds < 1 or args.seconds <= 0:
-        p.error("--rounds must be >= 1 and --seconds > 0")
-    return args
-
-
-def plan_backends(args: argparse.Namespace) -> list[tuple[str, str]] | None:
-    """``(backend, driver)`` pairs to run, or None when MariaDB was asked for
-    explicitly and is not reachable."""
-    drivers = ["pymysql", "mysqlclient"] if args.driver == "all" else [args.driver]
-    plan: list[tuple[str, str]] = []
-    if args.backend in ("sqlite", "all"):
-        plan.append(("sqlite", ""))
-    if args.backend in ("mysql", "all"):
-        if mysql_available():
-            plan += [("mysql", d) for d in drivers]
-        elif args.backend == "mysql":
-            print("MariaDB is not reachable on 127.0.0.1:3306", file=sys.stderr)
-            return None
-        else:
-            print("MariaDB not reachable: skipping it", file=sys.stderr)
-    return plan
+    for driver in drivers(backend, args):
+        with open_env(backend, shards=SHARDS, raw_ddl=_entities_ddl, driver=driver) as env:
+            ids = prefill(env)
+            for work in works(env, ids):
+                r = compare(work, env.label, rounds=args.rounds, seconds=args.seconds)
+                rows.append(result_row(judge(r, backend)))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m bench.core`` and ``bagstore bench``."""
-    args = parse_args(argv, "bagstore core operations beside raw DB-API")
-    plan = plan_backends(args)
-    if plan is None:
-        return 2
-    print_machine(args.format)
-    print(
-        f"bagstore: {SHARDS} shards; raw: one database; {args.rounds} rounds of "
-        f"~{args.seconds}s per side; rates in entities/s",
-        file=sys.stderr,
-    )
-    started = time.perf_counter()
-    results: list[Result] = []
-    by_driver: dict[str, list[Result]] = {}
-    failed = []
-    for backend, driver in plan:
-        try:
-            part = run_backend(
-                backend,
-                driver=driver or "pymysql",
-                rounds=args.rounds,
-                seconds=args.seconds,
-                log=lambda s: print(s, file=sys.stderr),
-            )
-        except Exception as exc:  # report and go on with the other backends
-            where = backend + (f"/{driver}" if driver else "")
-            failed.append(f"{where}: {type(exc).__name__}: {exc}")
-            print(f"FAILED {failed[-1]}", file=sys.stderr)
-            continue
-        results += part
-        if backend == "mysql":
-            by_driver[driver] = part
-    print_rows(
+    args = suite_args(argv, "bagstore core operations beside raw DB-API", OPTIONS)
+    title = (
         f"bench.core: bagstore ({SHARDS} shards) vs raw DB-API (one database), entities/s, "
-        f"medians of {args.rounds} rounds",
-        [result_row(r) for r in results],
-        fmt=args.format,
+        f"medians of {args.rounds} rounds of ~{args.seconds}s a side"
     )
-    if len(by_driver) > 1:
-        headers, rows = driver_table(by_driver)
-        print_table("MariaDB drivers (entities/s, medians)", rows, fmt=args.format, headers=headers)
-    for line in failed:
-        print(f"FAILED {line}")
-    print(f"total {time.perf_counter() - started:.0f}s", file=sys.stderr)
-    return 1 if failed else 0
+    return run_suite(args, title, run_backend)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ bucket of the full key); it sends the statements bagstore sends.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import sqlite3
@@ -63,16 +64,18 @@ from bench.common import (
     Env,
     Result,
     Row,
+    Sample,
     Work,
     compare,
     friendfeed_entity,
+    in_threads,
     open_env,
-    print_machine,
-    print_rows,
+    raw_connector,
     result_row,
-    rows_of,
+    run_suite,
+    suite_args,
 )
-from bench.core import parse_args, plan_backends
+from bench.core import OPTIONS, drivers
 
 KIND = "entities"
 SHARDS = 4
@@ -283,37 +286,12 @@ def _check_same_bytes(env: Env, sample: dict[str, Any]) -> None:
 WRITERS = 8
 
 
-def raw_connector(env: Env) -> Any:
-    """A function opening another raw connection to the raw database."""
-    if env.dialect.name == "sqlite":
-        path = env.raw.execute("PRAGMA database_list").fetchone()[2]
-
-        def lite() -> Any:
-            conn = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA synchronous=NORMAL")
-            return conn
-
-        return lite
-    from bench.common import mysql_connect
-
-    (name,) = rows_of(env.raw, "SELECT DATABASE()")[0]
-    driver = "mysqlclient" if "mysqlclient" in env.label else "pymysql"
-    return lambda: mysql_connect(name, driver=driver)
-
-
 def concurrent_puts(env: Env, bag_put: Any, label: str, *, rounds: int, per_thread: int) -> Result:
     """``WRITERS`` threads putting ``per_thread`` new entities each, on both
     sides (bagstore: one Datastore shared by the threads; raw: each thread its
     own connection doing the one-transaction put); rounds interleaved."""
-    import threading
-
-    from bench.common import Sample
-
     connect = raw_connector(env)
-    raws = []
-    for _ in range(WRITERS):
-        conn = connect()
-        raws.append(Raw(Env(env.label, env.dialect, env.ds, conn)))
+    raws = [Raw(Env(env.label, env.dialect, env.ds, connect())) for _ in range(WRITERS)]
 
     errors = {"bag": 0, "raw": 0}
     first: list[str] = []
@@ -332,13 +310,7 @@ def concurrent_puts(env: Env, bag_put: Any, label: str, *, rounds: int, per_thre
                     if not first:
                         first.append(f"{side}: {type(exc).__name__}: {exc}")
 
-        threads = [threading.Thread(target=one, args=(k,)) for k in range(len(fns))]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - t0
+        elapsed = in_threads(len(fns), one)
         return Sample(sum(done) / elapsed, elapsed / per_thread)
 
     bag: list[Sample] = []
@@ -362,9 +334,12 @@ def concurrent_puts(env: Env, bag_put: Any, label: str, *, rounds: int, per_thre
     return result
 
 
-def run_backend(
-    backend: str, *, driver: str, rounds: int, seconds: float, log: Any = None
-) -> list[Row]:
+def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
+    return [r for driver in drivers(backend, args) for r in run_driver(backend, driver, args)]
+
+
+def run_driver(backend: str, driver: str, args: argparse.Namespace) -> list[Row]:
+    rounds, seconds = args.rounds, args.seconds
     results: list[Result] = []
     stores: dict[str, tuple[int, list[Index], dict[str, Any]]] = {
         "scatter4": (SHARDS, [PUB_INDEX], {}),
@@ -408,13 +383,11 @@ def run_backend(
 
         # sanity: both sides give the same answers
         u = users[0]
-        assert len(USER_INDEX.get_all(ds, user_id=u)) == PER_USER
-        assert len(raw.user_lookup(u)) == PER_USER
-        assert [e["id"] for e in layout.user_lookup(u)] == [
-            e["id"] for e in USER_INDEX.get_all(ds, user_id=u)
-        ]
-        assert len(USER_INDEX.get_all(by_user, user_id=u)) == PER_USER
-        assert len(USER_INDEX.get_all(one, user_id=u)) == PER_USER
+        mine = [e["id"] for e in USER_INDEX.get_all(ds, user_id=u)]
+        assert len(mine) == len(raw.user_lookup(u)) == PER_USER
+        assert [e["id"] for e in layout.user_lookup(u)] == mine
+        for store in (by_user, one):
+            assert len(USER_INDEX.get_all(store, user_id=u)) == PER_USER
         since = BASE + 700 * 1000
         expect = [e["id"] for e in posts[700 : 700 + LIMIT]]
         for got in (
@@ -442,75 +415,34 @@ def run_backend(
         def q1(t: int) -> object:
             return PUB_INDEX.get_all(ds1, published__gte=t, limit=LIMIT)
 
-        works = [
-            Work(
-                f"index lookup, user x{PER_USER}",
-                lambda uid: USER_INDEX.get_all(ds, user_id=uid),
-                raw.user_lookup,
-                some_users,
-            ),
-            Work(
-                f"index lookup, user x{PER_USER}, raw on the same {SHARDS} shards",
-                lambda uid: USER_INDEX.get_all(ds, user_id=uid),
-                layout.user_lookup,
-                some_users,
-            ),
-            Work(
-                f"index lookup, user x{PER_USER}, 1 shard",
-                lambda uid: USER_INDEX.get_all(one, user_id=uid),
-                raw.user_lookup,
-                some_users,
-            ),
-            Work(
-                f"index lookup, user x{PER_USER}, shard_key=user_id",
-                lambda uid: USER_INDEX.get_all(by_user, user_id=uid),
-                raw.user_lookup,
-                some_users,
-            ),
-            Work("put + 1 index, 1 shard", user1.put, raw.put_user, new_people),
-            Work(
-                f"put_many x{BATCH} + 1 index, 1 shard",
-                user1.put_many,
-                raw.put_many_user,
-                batches,
-                units=BATCH,
-            ),
-            Work("put + 2 indexes", ds.put, raw.put_indexed, new_people),
-            Work("put + 2 indexes, 1 shard", one.put, raw.put_indexed, new_people),
-            Work(f"scatter gte limit {LIMIT}, {SHARDS} shards", q4, raw.scatter, starts),
-            Work(f"scatter gte limit {LIMIT}, 1 shard", q1, raw.scatter, starts),
-        ]
-        goals = {
-            f"index lookup, user x{PER_USER}": 0.8,
-            f"index lookup, user x{PER_USER}, 1 shard": 0.8,
-            "put + 1 index, 1 shard": 0.9,
-            f"put_many x{BATCH} + 1 index, 1 shard": 0.9,
-            "put + 2 indexes": 0.7,
-            "put + 2 indexes, 1 shard": 0.7,
-        }
-        for work in works:
-            t0 = time.perf_counter()
-            r = compare(work, env.label, rounds=rounds, seconds=seconds)
-            results.append(r)
-            if log is not None:
-                log(
-                    f"  {env.label:18} {r.work:30} bagstore {r.bag_rate:>9,.0f}/s  "
-                    f"raw {r.raw_rate:>9,.0f}/s  ratio {r.ratio:.2f}  "
-                    f"({time.perf_counter() - t0:.1f}s)"
-                )
+        def lookup(store: Any) -> Any:
+            return lambda uid: USER_INDEX.get_all(store, user_id=uid)
+
+        look = f"index lookup, user x{PER_USER}"
+        # (name, bagstore, raw, inputs, units, goal: a least ratio or None)
+        table: list[tuple[str, Any, Any, Any, int, float | None]] = [
+            (look, lookup(ds), raw.user_lookup, some_users, 1, 0.8),
+            (f"{look}, raw on the same {SHARDS} shards", lookup(ds), layout.user_lookup,
+             some_users, 1, None),
+            (f"{look}, 1 shard", lookup(one), raw.user_lookup, some_users, 1, 0.8),
+            (f"{look}, shard_key=user_id", lookup(by_user), raw.user_lookup, some_users, 1, None),
+            ("put + 1 index, 1 shard", user1.put, raw.put_user, new_people, 1, 0.9),
+            (f"put_many x{BATCH} + 1 index, 1 shard", user1.put_many, raw.put_many_user,
+             batches, BATCH, 0.9),
+            ("put + 2 indexes", ds.put, raw.put_indexed, new_people, 1, 0.7),
+            ("put + 2 indexes, 1 shard", one.put, raw.put_indexed, new_people, 1, 0.7),
+            (f"scatter gte limit {LIMIT}, {SHARDS} shards", q4, raw.scatter, starts, 1, None),
+            (f"scatter gte limit {LIMIT}, 1 shard", q1, raw.scatter, starts, 1, None),
+        ]  # fmt: skip
+        works = [Work(name, b, r, inputs, units) for name, b, r, inputs, units, _ in table]
+        goals = {name: goal for name, *_, goal in table if goal is not None}
+        results += [compare(w, env.label, rounds=rounds, seconds=seconds) for w in works]
         layout.close()
         single = next(r for r in results if r.work == "put + 1 index, 1 shard")
         per_thread = max(5, int(single.raw_rate * seconds / WRITERS))
-        results.append(
-            concurrent_puts(
-                env,
-                user1.put,
-                f"{WRITERS} concurrent writers, put + 1 index, 1 shard",
-                rounds=rounds,
-                per_thread=per_thread,
-            )
-        )
-        goals[results[-1].work] = 0.8
+        name = f"{WRITERS} concurrent writers, put + 1 index, 1 shard"
+        results.append(concurrent_puts(env, user1.put, name, rounds=rounds, per_thread=per_thread))
+        goals[name] = 0.8
         for r in results:
             if r.work in goals:
                 r.target, r.met = (
@@ -525,64 +457,25 @@ def run_backend(
         head = compare(
             Work("4 vs 1 shard", q4, q1, starts), env.label, rounds=rounds, seconds=seconds
         )
-        rows.append(
-            Row(
-                f"{env.label}: scatter p50 ms, {SHARDS} shards (raw column: bagstore on 1 shard)",
-                head.bag_p50 * 1e3,
-                head.raw_p50 * 1e3,
-                1 / head.ratio,
-                "<= 1.5x",
-                1 / head.ratio <= 1.5,
-                unit=" ms",
-            )
-        )
+        slower = 1 / head.ratio
+        metric = f"{env.label}: scatter p50 ms, {SHARDS} shards (raw column: bagstore on 1 shard)"
+        ms = head.bag_p50 * 1e3, head.raw_p50 * 1e3
+        rows.append(Row(metric, *ms, slower, "<= 1.5x", slower <= 1.5, unit=" ms"))
         if backend == "mysql":
             from bench.scatter import over_two_servers
 
-            rows += over_two_servers(driver, q1, starts, posts, env.label, rounds, seconds, log)
+            rows += over_two_servers(driver, q1, starts, posts, env.label, rounds, seconds)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m bench.indexes`` and ``bagstore bench``."""
-    args = parse_args(argv, "bagstore secondary indexes beside raw DB-API")
-    plan = plan_backends(args)
-    if plan is None:
-        return 2
-    print_machine(args.format)
-    print(
-        f"bagstore: {SHARDS} shards; raw: one database; {args.rounds} rounds of "
-        f"~{args.seconds}s per side",
-        file=sys.stderr,
-    )
-    started = time.perf_counter()
-    rows: list[Row] = []
-    failed = []
-    for backend, driver in plan:
-        try:
-            part = run_backend(
-                backend,
-                driver=driver or "pymysql",
-                rounds=args.rounds,
-                seconds=args.seconds,
-                log=lambda s: print(s, file=sys.stderr),
-            )
-        except Exception as exc:  # report and go on with the other backends
-            where = backend + (f"/{driver}" if driver else "")
-            failed.append(f"{where}: {type(exc).__name__}: {exc}")
-            print(f"FAILED {failed[-1]}", file=sys.stderr)
-            continue
-        rows += part
-    print_rows(
+    args = suite_args(argv, "bagstore secondary indexes beside raw DB-API", OPTIONS)
+    title = (
         f"bench.indexes: bagstore vs raw DB-API (one database; puts: ONE transaction each), "
-        f"rates in entities/s, medians of {args.rounds} rounds",
-        rows,
-        fmt=args.format,
+        f"rates in entities/s, medians of {args.rounds} rounds"
     )
-    for line in failed:
-        print(f"FAILED {line}")
-    print(f"total {time.perf_counter() - started:.0f}s", file=sys.stderr)
-    return 1 if failed else 0
+    return run_suite(args, title, run_backend)
 
 
 if __name__ == "__main__":

@@ -10,21 +10,19 @@ for the database's own index build on a virtual column).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import os
 import random
-import sqlite3
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import bagstore
 from bagstore import codec
 from bagstore.sharding.hashing import bucket_of
-from bench.common import friendfeed_entity, mysql_connect
+from bench.common import Row, connect_target, friendfeed_entity
 
 KIND = "entities"
 RAW_COLUMNS = "id, bucket, updated, body, doc"
@@ -63,7 +61,7 @@ class WriterSpec:
 
     mode: str  # "bag" or "raw"
     backend: str  # "mysql" or "sqlite"
-    target: Any  # bag: shard URLs / SQLite root; raw: database name / file path
+    target: Any  # bag: shard URLs; raw: database name / file path
     rate: float
     update_ids: list[bytes] = field(default_factory=list)
     update_share: float = 0.1  # the share of puts that rewrite a loaded entity
@@ -72,19 +70,10 @@ class WriterSpec:
 
 def _open(spec: WriterSpec) -> tuple[Callable[[dict[str, Any]], object], Callable[[], None]]:
     if spec.mode == "bag":
-        ds = (
-            bagstore.open(spec.target)
-            if spec.backend == "sqlite"
-            else bagstore.Datastore(spec.target)
-        )
+        ds = bagstore.Datastore(spec.target)
         return ds.put, ds.close
     sql = raw_upsert_sql(spec.backend, 1)
-    if spec.backend == "mysql":
-        conn: Any = mysql_connect(spec.target)
-    else:
-        conn = sqlite3.connect(spec.target, timeout=120, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
+    conn = connect_target(spec.target)
     cur = conn.cursor()
 
     def put(e: dict[str, Any]) -> None:
@@ -166,56 +155,58 @@ class Writes:
         )
 
 
-class Writer:
-    """A writer process; ``stop()`` returns what it recorded."""
-
-    def __init__(self, spec: WriterSpec) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._ready, self._stop = ctx.Event(), ctx.Event()
-        self._recv, send = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(
-            target=writer_main, args=(spec, send, self._ready, self._stop), daemon=True
-        )
-        self.proc.start()
-        send.close()
-        if not self._ready.wait(120) or not self.proc.is_alive():
-            self.kill()
-            raise RuntimeError("the writer process did not start")
-
-    def stop(self) -> Writes:
-        self._stop.set()
-        if not self._recv.poll(120):
-            self.kill()
-            raise RuntimeError("the writer process did not report")
-        writes = Writes(*self._recv.recv())
-        self.proc.join(30)
-        return writes
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(10)
-
-
-@contextlib.contextmanager
-def writer(spec: WriterSpec) -> Iterator[Writer]:
-    w = Writer(spec)
-    try:
-        yield w
-    finally:
-        w.kill()
-
-
 def timed_beside(
     spec: WriterSpec, before: float, work: Callable[[], object]
 ) -> tuple[float, Lat, Lat, Writes]:
-    """Run ``work`` while a writer runs: ``before`` seconds of writes first.
-    Returns ``(seconds, writer before, writer during, writes)``."""
-    with writer(spec) as w:
+    """Run ``work`` while a writer process runs: ``before`` seconds of writes
+    first.  Returns ``(seconds, writer before, writer during, writes)``."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=writer_main, args=(spec, send, ready, stop), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if not ready.wait(120) or not proc.is_alive():
+            raise RuntimeError("the writer process did not start")
         time.sleep(before)
         t0 = time.monotonic()
         work()
         t1 = time.monotonic()
         time.sleep(0.3)
-        writes = w.stop()
+        stop.set()
+        if not recv.poll(120):
+            raise RuntimeError("the writer process did not report")
+        writes = Writes(*recv.recv())
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(10)
     return t1 - t0, writes.window(t0 - before, t0), writes.window(t0, t1), writes
+
+
+def writer_rows(
+    label: str,
+    rate: float,
+    work: str,
+    pace: tuple[float, float, float | None],
+    p99: tuple[float, float],
+    longest: tuple[float, float],
+    goals: tuple[float, float],
+    errors: int,
+) -> list[Row]:
+    """The rows of ``work`` (``"backfill at the default pace vs own DDL|build|rows/s"``:
+    what, the event, the unit) done beside a writer of ``rate`` puts/s: its
+    ``pace`` (bagstore, raw, ratio), the writer's p99 during/before and its
+    longest write in seconds (bagstore, raw); ``goals``: the p99 ratio, the stall."""
+    what, event, unit = work.split("|")
+    where = f"writer {rate:,.0f}/s"
+    stall = (longest[0] * 1e3, longest[1] * 1e3)
+    return [
+        Row(f"{label}: {what}, {where} ({unit})", *pace),
+        Row(f"{label}: writer p99 during/before the {event}, {where}", *p99,
+            goal=f"bagstore <= {goals[0]:.0f}x", met=p99[0] <= goals[0] and not errors, unit="x"),
+        Row(f"{label}: longest write during the {event}, {where}", *stall,
+            goal=f"bagstore <= {goals[1] * 1e3:,.0f} ms", met=longest[0] <= goals[1], unit=" ms"),
+    ]  # fmt: skip

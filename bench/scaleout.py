@@ -39,28 +39,24 @@ import contextlib
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import bagstore
-from bagstore.backends.sqlite import SQLiteBackend
 from bagstore.scaleout import DEFAULT_BATCH, DEFAULT_DUTY
 from bench.common import (
     Row,
-    add_common_args,
+    fresh_shards,
     friendfeed_entity,
-    mysql_connect,
-    mysql_url,
-    plan,
-    print_machine,
-    print_rows,
+    label_of,
+    log,
     rows_of,
-    temp_databases,
+    run_suite,
+    suite_args,
 )
-from bench.live import KIND, Lat, WriterSpec, timed_beside
+from bench.live import KIND, Lat, WriterSpec, timed_beside, writer_rows
 
 TABLE = "index_user_id"
 USER_INDEX = bagstore.Index(table=TABLE, properties=["user_id"], shard_on="user_id")
@@ -74,15 +70,11 @@ TABLES = {
 }
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 @dataclass
 class Side:
     backend: str
     ds: Any
-    bag_target: Any  # for the writer: shard URLs or the SQLite root
+    bag_target: Any  # for the writer: shard URLs
     new_url: str  # the shard to add
     connect: Any  # connect(shard number or None for the baseline's database) -> DB-API
     update_ids: list[bytes] = field(default_factory=list)
@@ -91,43 +83,17 @@ class Side:
 
 @contextlib.contextmanager
 def open_side(backend: str, buckets: int | None = None) -> Iterator[Side]:
+    """Shards 0 and 1 the store's, 2 the one to add, 3 the baseline's copy target."""
     from bagstore.backends.mysql import MySQLDialect
     from bagstore.backends.sqlite import SQLiteDialect
 
-    with contextlib.ExitStack() as stack:
-        if backend == "mysql":
-            names = stack.enter_context(temp_databases(4, prefix="bst_bench_out"))
-            urls = [mysql_url(n) for n in names[:2]]
-            ds = bagstore.Datastore(urls, indexes=[USER_INDEX], buckets=buckets)
+    with fresh_shards(backend, 4, "bst_bench_out") as shards:
+        ds = bagstore.Datastore(shards.urls[:2], indexes=[USER_INDEX], buckets=buckets)
 
-            def connect(shard: int | None) -> Any:
-                return mysql_connect(
-                    names[3] if shard is None else ds.router.backends[shard].schema
-                )
+        def connect(shard: int | None) -> Any:
+            return shards.connect(3 if shard is None else shard)
 
-            side = Side(backend, ds, urls, mysql_url(names[2]), connect)
-            dialect: Any = MySQLDialect()
-        else:
-            import sqlite3
-
-            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bst_bench_out_"))
-            store = os.path.join(root, "bag")
-            ds = bagstore.open(store, indexes=[USER_INDEX], shards=2, buckets=buckets)
-
-            def connect(shard: int | None) -> Any:
-                path = (
-                    os.path.join(root, "raw.db")
-                    if shard is None
-                    else cast(SQLiteBackend, ds.router.backends[shard]).path
-                )
-                conn = sqlite3.connect(path, timeout=60, isolation_level=None)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=NORMAL")
-                return conn
-
-            side = Side(backend, ds, store, "sqlite:///" + os.path.join(store, "extra.db"), connect)
-            dialect = SQLiteDialect()
-        stack.callback(ds.close)
+        dialect: Any = MySQLDialect() if backend == "mysql" else SQLiteDialect()
         raw = connect(None)
         try:
             for sql in [
@@ -137,7 +103,10 @@ def open_side(backend: str, buckets: int | None = None) -> Iterator[Side]:
                 rows_of(raw, sql)
         finally:
             raw.close()
-        yield side
+        try:
+            yield Side(backend, ds, shards.urls[:2], shards.urls[2], connect)
+        finally:
+            ds.close()
 
 
 def load(side: Side, rows: int) -> None:
@@ -293,31 +262,14 @@ def rows_for(label: str, rounds: list[Round], rate: float) -> list[Row]:
     r_ratio = med(r.raw_during.p99 / r.raw_before.p99 for r in rounds)
     worst, raw_worst = max(r.during.max for r in rounds), max(r.raw_during.max for r in rounds)
     errors = sum(r.errors for r in rounds)
-    where = f"writer {rate:,.0f}/s"
-    return [
-        Row(
-            f"{label}: move at the default pace vs plain SQL copy, {where} (entities/s)",
-            med(r.moved / r.seconds for r in rounds),
-            med(r.raw_moved / r.raw_seconds for r in rounds),
-            med((r.moved / r.seconds) / (r.raw_moved / r.raw_seconds) for r in rounds),
-        ),
-        Row(
-            f"{label}: writer p99 during/before the move, {where}",
-            b_ratio,
-            r_ratio,
-            goal=f"bagstore <= {GOAL_P99_RATIO:.0f}x",
-            met=b_ratio <= GOAL_P99_RATIO and not errors,
-            unit="x",
-        ),
-        Row(
-            f"{label}: longest write during the move, {where}",
-            worst * 1e3,
-            raw_worst * 1e3,
-            goal=f"bagstore <= {GOAL_STALL * 1e3:,.0f} ms",
-            met=worst <= GOAL_STALL,
-            unit=" ms",
-        ),
-    ]
+    pace = (
+        med(r.moved / r.seconds for r in rounds),
+        med(r.raw_moved / r.raw_seconds for r in rounds),
+        med((r.moved / r.seconds) / (r.raw_moved / r.raw_seconds) for r in rounds),
+    )
+    what = "move at the default pace vs plain SQL copy|move|entities/s"
+    return writer_rows(label, rate, what, pace, (b_ratio, r_ratio), (worst, raw_worst),
+                       (GOAL_P99_RATIO, GOAL_STALL), errors)  # fmt: skip
 
 
 def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
@@ -330,45 +282,25 @@ def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
         for i in range(args.rounds):
             r, moved = one_round(side, i, moved, home, args)
             rounds.append(r)
-    return rows_for("mariadb" if backend == "mysql" else backend, rounds, args.rate)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="bucket moves with a live writer, beside plain SQL")
-    add_common_args(p)
-    p.add_argument("--rows", type=int, default=None, help="entities (100,000; --quick 2,000)")
-    p.add_argument("--rounds", type=int, default=None, help="move rounds (3; --quick 1)")
-    p.add_argument("--rate", type=float, default=500.0, help="writer puts per second")
-    p.add_argument("--before", type=float, default=None, help="seconds of writes before (3)")
-    p.add_argument("--buckets", type=int, default=None, help="the store's (default; --quick 64)")
-    args = p.parse_args(argv)
-    if args.quick and args.buckets is None:
-        args.buckets = 64  # a move's time goes by bucket as much as by row
-    args.rows = args.rows or (2_000 if args.quick else 100_000)
-    args.rounds = args.rounds or (1 if args.quick else 3)
-    args.before = args.before if args.before is not None else (1.0 if args.quick else 3.0)
-    return args
+    return rows_for(label_of(backend), rounds, args.rate)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m bench.scaleout``."""
-    args = parse_args(argv)
-    backends = plan(args.backend)
-    if backends is None:
-        return 2
-    print_machine(args.format)
-    started = time.perf_counter()
-    rows: list[Row] = []
-    for backend in backends:
-        rows += run_backend(backend, args)
-    print_rows(
+    options = {
+        "rows": (int, 100_000, 2_000, "entities"),
+        "rounds": (int, 3, 1, "move rounds"),
+        "rate": (float, 500.0, 500.0, "writer puts per second"),
+        "before": (float, 3.0, 0.5, "seconds of writes before"),
+        # --quick: 64 buckets, since a move's time goes by bucket as much as by row
+        "buckets": (int, None, 64, "the store's buckets (None: bagstore's default)"),
+    }
+    args = suite_args(argv, "bucket moves with a live writer, beside plain SQL", options)
+    title = (
         f"bench.scaleout: bucket moves with a live writer vs plain SQL doing the copy at the "
-        f"same pace (medians of {args.rounds} rounds; longest write: the worst round)",
-        rows,
-        fmt=args.format,
+        f"same pace (medians of {args.rounds} rounds; longest write: the worst round)"
     )
-    log(f"total {time.perf_counter() - started:.0f}s")
-    return 0
+    return run_suite(args, title, run_backend)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ def over_two_servers(
     label: str,
     rounds: int,
     seconds: float,
-    log: Any,
 ) -> list[Row]:
     """The scatter over 4 shards on TWO MariaDB servers (2 databases on the
     shared one, 2 on a private ``mariadbd`` started here) beside
@@ -71,8 +70,6 @@ def over_two_servers(
     finally:
         second.stop()
     slower = 1 / head.ratio
-    if log is not None:
-        log(f"  {label:18} scatter over 2 servers: {slower:.2f}x raw's same work")
     return [
         Row(
             f"{label}: scatter p50 ms, {SHARDS} shards over 2 servers",

@@ -28,12 +28,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import sqlite3
 import statistics
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,14 +38,13 @@ from typing import Any
 import bagstore
 from bagstore.ids.sequence import Sequence, TicketSequence, open_sequence
 from bench.common import (
+    Counter,
     Row,
-    add_common_args,
-    mysql_connect,
-    mysql_url,
-    plan,
-    print_machine,
-    print_rows,
-    temp_databases,
+    count_statements,
+    fresh_shards,
+    in_threads,
+    run_suite,
+    suite_args,
 )
 
 BLOCK = 1000
@@ -69,24 +64,16 @@ class Env:
 def open_env(backend: str) -> Iterator[Env]:
     """A one-shard datastore (its catalog holds the sequences) and a raw
     connection to another database, both fresh; removed afterwards."""
-    with contextlib.ExitStack() as stack:
-        if backend == "sqlite":
-            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bagbench_seq_"))
-            ds = bagstore.open(os.path.join(root, "bag"), shards=1)
-            raw: Any = sqlite3.connect(os.path.join(root, "raw.db"), isolation_level=None)
-            raw.execute("PRAGMA journal_mode=WAL")
-            raw.execute("PRAGMA synchronous=NORMAL")  # bagstore's default
-            stack.callback(raw.close)
-            env = Env("sqlite", ds, raw, False)
-        else:
-            names = stack.enter_context(temp_databases(2, prefix="bagbench_seq"))
-            ds = bagstore.Datastore([mysql_url(names[0])])
-            raw = mysql_connect(names[1])
-            stack.callback(raw.close)
-            env = Env("mariadb/pymysql", ds, raw, True)
-        stack.callback(ds.close)
-        _raw_tables(env)
-        yield env
+    with fresh_shards(backend, 2, "bagbench_seq") as shards:
+        ds = bagstore.Datastore(shards.urls[:1])
+        raw = shards.connect(1)
+        env = Env("mariadb/pymysql" if backend == "mysql" else backend, ds, raw, backend == "mysql")
+        try:
+            _raw_tables(env)
+            yield env
+        finally:
+            raw.close()
+            ds.close()
 
 
 def _raw_tables(env: Env) -> None:
@@ -125,41 +112,10 @@ class Work:
     goal: bool = False
 
 
-class Counter:
-    """Counts the statements a bagstore backend sends (wraps its cursors)."""
-
-    def __init__(self, backend: Any) -> None:
-        self.n = 0
-        run = backend.run
-        counter = self
-
-        class Cursor:
-            def __init__(self, cur: Any) -> None:
-                self._cur = cur
-
-            def execute(self, *args: Any) -> Any:
-                counter.n += 1
-                return self._cur.execute(*args)
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(self._cur, name)
-
-        class Conn:
-            def __init__(self, conn: Any) -> None:
-                self._conn = conn
-
-            def cursor(self) -> Cursor:
-                return Cursor(self._conn.cursor())
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(self._conn, name)
-
-        backend.run = lambda work, *a, **kw: run(lambda conn: work(Conn(conn), *a), **kw)
-
-
 def works(env: Env, threads: int) -> list[Work]:
     ds = env.ds
-    counter = Counter(ds.router.catalog_backend)
+    counter = Counter()
+    count_statements(ds.router.catalog_backend, counter, commits=False)
 
     seq = open_sequence(ds, "photos", block=BLOCK)
     assert isinstance(seq, Sequence)
@@ -178,16 +134,12 @@ def works(env: Env, threads: int) -> list[Work]:
     def threaded_step() -> int:
         per = 20_000
 
-        def run() -> None:
+        def run(k: int) -> None:
             nx = shared.next
             for _ in range(per):
                 nx()
 
-        pool = [threading.Thread(target=run) for _ in range(threads)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
+        in_threads(threads, run)
         return per * threads
 
     many = open_sequence(ds, "many", block=BLOCK)
@@ -208,37 +160,29 @@ def works(env: Env, threads: int) -> list[Work]:
 
     cur = env.raw.cursor()
     raw_sent = [0]
-    if env.is_mysql:
+    replace = "REPLACE INTO Tickets64 (stub) VALUES ('a')"
+    if env.is_mysql:  # Flickr's two statements; the block: one, LAST_INSERT_ID() its answer
+        ticket = [replace, "SELECT LAST_INSERT_ID()"]
+        block = ["UPDATE sequence SET id = LAST_INSERT_ID(id + 1000) WHERE name = 'photos'"]
+    else:  # SQLite has no LAST_INSERT_ID(): cursor.lastrowid, RETURNING
+        ticket = [replace]
+        block = ["UPDATE sequence SET id = id + 1000 WHERE name = 'photos' RETURNING id"]
 
-        def flickr_step() -> int:
-            cur.execute("REPLACE INTO Tickets64 (stub) VALUES ('a')")
-            cur.execute("SELECT LAST_INSERT_ID()")
-            cur.fetchone()
-            raw_sent[0] += 2
-            return 1
-
-        def update_step() -> int:
-            cur.execute("UPDATE sequence SET id = LAST_INSERT_ID(id + 1000) WHERE name = 'photos'")
+    def raw_step(statements: list[str], ids: int) -> Callable[[], int]:
+        def step() -> int:
+            for sql in statements:
+                cur.execute(sql)
+                cur.fetchall()
             _ = cur.lastrowid
-            raw_sent[0] += 1
-            return BLOCK
+            raw_sent[0] += len(statements)
+            return ids
 
-    else:
+        return step
 
-        def flickr_step() -> int:
-            cur.execute("REPLACE INTO Tickets64 (stub) VALUES ('a')")
-            _ = cur.lastrowid
-            raw_sent[0] += 1
-            return 1
-
-        def update_step() -> int:
-            cur.execute("UPDATE sequence SET id = id + 1000 WHERE name = 'photos' RETURNING id")
-            cur.fetchall()
-            raw_sent[0] += 1
-            return BLOCK
+    flickr_step, update_step = raw_step(ticket, 1), raw_step(block, BLOCK)
 
     def bag() -> int:
-        return counter.n
+        return counter.db
 
     def raw() -> int:
         return raw_sent[0]
@@ -268,7 +212,8 @@ def _round(work: Work, seconds: float) -> None:
     work.sent += work.statements() - sent
 
 
-def run_backend(backend: str, *, rounds: int, seconds: float, threads: int) -> list[Row]:
+def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
+    rounds, seconds, threads = args.rounds, args.seconds, max(1, args.threads)
     with open_env(backend) as env:
         ws = works(env, threads)
         for w in ws:  # warm-up
@@ -305,41 +250,19 @@ def run_backend(backend: str, *, rounds: int, seconds: float, threads: int) -> l
         return rows
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="bagstore sequences beside Flickr's ticket server")
-    add_common_args(p)
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (5; --quick 3)")
-    p.add_argument("--seconds", type=float, default=None, help="one round (0.5; --quick 0.1)")
-    p.add_argument("--threads", type=int, default=4)
-    args = p.parse_args(argv)
-    if args.rounds is None:
-        args.rounds = 3 if args.quick else 5
-    if args.seconds is None:
-        args.seconds = 0.1 if args.quick else 0.5
-    if args.rounds < 1 or args.seconds <= 0 or args.threads < 1:
-        p.error("--rounds and --threads must be >= 1 and --seconds > 0")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m bench.sequences``."""
-    args = parse_args(argv)
-    backends = plan(args.backend)
-    if backends is None:
-        return 2
-    print_machine(args.format)
-    started = time.perf_counter()
-    rows: list[Row] = []
-    for backend in backends:
-        rows += run_backend(backend, rounds=args.rounds, seconds=args.seconds, threads=args.threads)
-    print_rows(
+    options = {
+        "rounds": (int, 5, 3, "interleaved rounds"),
+        "seconds": (float, 0.5, 0.1, "one round"),
+        "threads": (int, 4, 4, "threads sharing one sequence"),
+    }
+    args = suite_args(argv, "bagstore sequences beside Flickr's ticket server", options)
+    title = (
         f"bench.sequences: ids/s (raw column: Flickr's ticket server by hand), medians of "
-        f"{args.rounds} rounds of {args.seconds}s",
-        rows,
-        fmt=args.format,
+        f"{args.rounds} rounds of {args.seconds}s"
     )
-    print(f"total {time.perf_counter() - started:.0f}s", file=sys.stderr)
-    return 0
+    return run_suite(args, title, run_backend)
 
 
 if __name__ == "__main__":

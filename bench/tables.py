@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import random
-import sqlite3
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import date
@@ -33,17 +31,7 @@ from typing import Any
 import bagstore
 from bagstore import codec
 from bagstore.tables import id_of_pk
-from bench.common import (
-    Row,
-    Work,
-    compare,
-    mysql_available,
-    mysql_connect,
-    mysql_url,
-    print_machine,
-    print_rows,
-    temp_databases,
-)
+from bench.common import Row, Work, compare, fresh_shards, paired, run_suite, suite_args
 
 GOAL = 0.9
 
@@ -60,28 +48,14 @@ class Photo(bagstore.Model, kind="photos", shard_key="user_id"):
 @contextmanager
 def _tables(backend: str) -> Iterator[tuple[bagstore.Table[Photo], Callable[[bytes], Any]]]:
     """The table, and a raw reader ``id -> (body, version)`` of the shard holding it."""
-    if backend == "sqlite":
-        root = tempfile.mkdtemp(prefix="bench_tables_")
-        table = Photo.open(root, shards=4)
-        conns = [
-            sqlite3.connect(name[len("sqlite:///") :] if "://" in name else f"{root}/{name}")
-            for name in table.ds.shards
-        ]
+    with fresh_shards(backend, 4, "bench_tables") as shards:
+        table = Photo.open(shards.urls)
+        conns = [shards.connect(i) for i in range(4)]
         try:
-            yield table, _raw_reader(table, conns, "?")
+            yield table, _raw_reader(table, conns, "%s" if backend == "mysql" else "?")
         finally:
             table.close()
             for c in conns:
-                c.close()
-        return
-    with temp_databases(4, "bench_tables") as names:
-        table = Photo.open([mysql_url(n) for n in names])
-        mconns = [mysql_connect(n) for n in names]
-        try:
-            yield table, _raw_reader(table, mconns, "%s")
-        finally:
-            table.close()
-            for c in mconns:
                 c.close()
 
 
@@ -132,47 +106,26 @@ def run(backend: str, rows: int, rounds: int, seconds: float) -> list[Row]:
 
         versus_get = Work("typed load vs ds.get", load, lambda k: photos.ds.get(ids[k]), inputs)
         versus_raw = Work("typed load vs raw SQL", load, lambda k: raw(ids[k]), inputs)
-        for work, goal in ((versus_get, GOAL), (versus_raw, None)):
+        for work, goal in ((versus_get, GOAL), (versus_raw, "")):
             r = compare(work, backend, rounds=rounds, seconds=seconds)
-            met = None if goal is None else r.ratio >= goal
-            out.append(
-                Row(
-                    f"{backend}: {work.name}",
-                    r.bag_rate,
-                    r.raw_rate,
-                    r.ratio,
-                    f">= {goal}x" if goal is not None else "",
-                    met,
-                )
-            )
+            rates = [s.rate for s in r.bag], [s.rate for s in r.raw]
+            out.append(paired(f"{backend}: {work.name}", *rates, goal))
     return out
 
 
+def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
+    return run(backend, args.rows, args.rounds, args.seconds)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="typed table load beside ds.get and raw SQL")
-    p.add_argument("--backend", choices=["sqlite", "mysql", "all"], default="all")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--seconds", type=float, default=1.0)
-    p.add_argument("--rows", type=int, default=5000)
-    p.add_argument("--quick", action="store_true", help="3 rounds of 0.3 s, 1,000 rows")
-    p.add_argument("--format", choices=["rich", "plain", "markdown"], default="rich")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.rounds, args.seconds, args.rows = 3, 0.3, 1000
-    print_machine(args.format)
-    backends = ["sqlite", "mysql"] if args.backend == "all" else [args.backend]
-    rows: list[Row] = []
-    for backend in backends:
-        if backend == "mysql" and not mysql_available():
-            print("mysql: no MariaDB server reachable; skipped")
-            continue
-        rows += run(backend, args.rows, args.rounds, args.seconds)
-    print_rows(
-        "bench.tables: typed load(user_id, photo_id) per second, beside ds.get and raw SQL",
-        rows,
-        fmt=args.format,
-    )
-    return 0
+    options = {
+        "rounds": (int, 7, 3, "interleaved rounds"),
+        "seconds": (float, 1.0, 0.1, "length of one round"),
+        "rows": (int, 5000, 500, "photos"),
+    }
+    args = suite_args(argv, "typed table load beside ds.get and raw SQL", options)
+    title = "bench.tables: typed load(user_id, photo_id) per second, beside ds.get and raw SQL"
+    return run_suite(args, title, run_backend)
 
 
 if __name__ == "__main__":

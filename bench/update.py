@@ -23,8 +23,8 @@ conflicts each side retried are shown beside the metric.
 
 from __future__ import annotations
 
+import argparse
 import random
-import sqlite3
 import sys
 import threading
 import time
@@ -36,16 +36,16 @@ from bagstore.sharding.hashing import bucket_of
 from bench.common import (
     Env,
     Result,
+    Row,
     Sample,
-    add_common_args,
     friendfeed_entity,
-    mysql_connect,
+    in_threads,
+    log,
     open_env,
-    plan,
-    print_machine,
-    print_rows,
+    raw_connector,
     result_row,
-    rows_of,
+    run_suite,
+    suite_args,
 )
 
 KIND = "entities"
@@ -86,20 +86,6 @@ class RawUpdate:
         raise RuntimeError("raw update: no luck in 1000 tries")
 
 
-def _connector(env: Env) -> Callable[[], Any]:
-    if env.dialect.name == "sqlite":
-        path = env.raw.execute("PRAGMA database_list").fetchone()[2]
-
-        def lite() -> Any:
-            conn = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA synchronous=NORMAL")
-            return conn
-
-        return lite
-    (name,) = rows_of(env.raw, "SELECT DATABASE()")[0]
-    return lambda: mysql_connect(name, driver="pymysql")
-
-
 def _seed(env: Env, n: int) -> list[bytes]:
     """``n`` entities stored on both sides (same ids, same bodies)."""
     ds, d = env.ds, env.dialect
@@ -118,7 +104,7 @@ def measure(env: Env, writers: int, *, rounds: int, per_thread: int) -> Result:
     """``writers`` threads each making ``per_thread`` updates, on both sides;
     with one writer each its own entities, with more all on the same ones."""
     ids = _seed(env, max(writers, 4))
-    connect = _connector(env)
+    connect = raw_connector(env)
     raws = [RawUpdate(env, connect()) for _ in range(writers)]
     conflicts = {"bag": 0}
     ds = env.ds
@@ -142,13 +128,7 @@ def measure(env: Env, writers: int, *, rounds: int, per_thread: int) -> Result:
                 fns[k](ids[(k + j) % len(ids)] if writers > 1 else ids[j % len(ids)])
                 done[k] += 1
 
-        threads = [threading.Thread(target=one, args=(k,)) for k in range(len(fns))]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - t0
+        elapsed = in_threads(len(fns), one)
         if side == "bag":
             conflicts["bag"] += fn_calls[0] - before - sum(done)
         return Sample(sum(done) / elapsed, elapsed / per_thread)
@@ -191,50 +171,30 @@ def measure(env: Env, writers: int, *, rounds: int, per_thread: int) -> Result:
     return result
 
 
+def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
+    rows = []
+    for writers in (1, WRITERS):
+        with open_env(
+            backend, shards=1, raw_ddl=lambda d: list(d.create_entities_sql(KIND))
+        ) as env:
+            r = measure(env, writers, rounds=args.rounds, per_thread=args.per_thread)
+        log(f"  {r.backend:18} {r.work:40} ({r.note})")
+        rows.append(result_row(r))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m bench update``."""
-    import argparse
-
-    p = argparse.ArgumentParser(description="ds.update(id, fn) beside raw SELECT + UPDATE")
-    add_common_args(p)
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
-    backends = plan(args.backend)
-    if backends is None:
-        return 2
-    print_machine(args.format)
-    per_thread = 150 if args.quick else 500
-    rounds = 3 if args.quick else args.rounds
-    results: list[Result] = []
-    failed: list[str] = []
-    for backend in backends:
-        for writers in (1, WRITERS):
-            try:
-                with open_env(
-                    backend, shards=1, raw_ddl=lambda d: list(d.create_entities_sql(KIND))
-                ) as env:
-                    r = measure(env, writers, rounds=rounds, per_thread=per_thread)
-            except Exception as exc:  # report it, run the others
-                failed.append(f"{backend}, {writers} writers: {type(exc).__name__}: {exc}")
-                print(f"FAILED {failed[-1]}", file=sys.stderr)
-                continue
-            results.append(r)
-            print(
-                f"  {r.backend:18} {r.work:40} bagstore {r.bag_rate:>8,.0f}/s  "
-                f"raw {r.raw_rate:>8,.0f}/s  ratio {r.ratio:.2f}  ({r.note})",
-                file=sys.stderr,
-            )
-    print_rows(
+    options = {
+        "rounds": (int, 5, 3, "interleaved rounds"),
+        "per-thread": (int, 500, 150, "updates per thread and round"),
+    }
+    args = suite_args(argv, "ds.update(id, fn) beside raw SELECT + UPDATE", options)
+    title = (
         f"bench.update: ds.update(id, fn) (1 shard) vs raw SELECT + conditional UPDATE "
-        f"(one database), updates/s, medians of {rounds} rounds",
-        [result_row(r) for r in results],
-        fmt=args.format,
+        f"(one database), updates/s, medians of {args.rounds} rounds"
     )
-    for line in failed:
-        print(f"FAILED {line}")
-    return 1 if failed else 0
+    return run_suite(args, title, run_backend)
 
 
 if __name__ == "__main__":
