@@ -21,9 +21,8 @@ from bagstore.backends.pool import long_statements
 from bagstore.cache import open_layer
 from bagstore.cache import request as _request
 from bagstore.cache.shared import CatalogCell
-from bagstore.catalog import Catalog, IndexCatalog, Placement, check_stamps
+from bagstore.catalog import Catalog, IndexCatalog, Placement
 from bagstore.changes import ChangePage, Feed
-from bagstore.colocated import atomicity
 from bagstore.conditional import DEFAULT_RETRIES, Conditional, expectations, expecting
 from bagstore.errors import (
     ConfigurationError,
@@ -33,22 +32,25 @@ from bagstore.errors import (
 from bagstore.index import RETIRED, Index, Registry
 from bagstore.index_tables import IndexTables
 from bagstore.indexer import Indexer
-from bagstore.names import check_new_kind
+from bagstore.opening import (
+    SQLITE_SHARD_FILE,
+    check_body_capacity,
+    open_router,
+    prepare_kind,
+    sqlite_store,
+)
 from bagstore.queries import Queries
 from bagstore.query import QueryResult
 from bagstore.reads import Reads
 from bagstore.sharding.failover import failover
-from bagstore.sharding.home import check_global, pin_home
 from bagstore.sharding.placer import Placer
 from bagstore.sharding.replicas import Replication
-from bagstore.sharding.router import Router
 from bagstore.sharding.topology import ShardOpener
+from bagstore.status import shard_counts, store_status
 from bagstore.subscriber import Handler, Subscriber
 from bagstore.writes import Writes, check_id
 
-__all__ = ["DataStore", "Datastore", "open"]
-
-SQLITE_SHARD_FILE = "shard_{}.db"
+__all__ = ["SQLITE_SHARD_FILE", "DataStore", "Datastore", "open"]
 
 
 class Datastore:
@@ -133,14 +135,12 @@ class Datastore:
         if parallel is not None and not isinstance(parallel, bool):
             raise ConfigurationError(f"parallel must be True, False or None, not {parallel!r}")
         self.sequence_servers = list(sequence_servers or ())
-        try:
+        try:  # the placement, the router and the kind's checks (bagstore.opening)
             self.catalog = Catalog(catalog_backend)
-            placement = self.catalog.open(names, buckets)
-            for name in placement.shard_names[len(backends) :]:
-                backends.append(opener.open_listed(name))
-            self.router = Router(
+            placement, self.router = open_router(
                 self.catalog,
-                placement,
+                names,
+                buckets,
                 backends,
                 opener,
                 refresh_interval=refresh_interval,
@@ -148,31 +148,16 @@ class Datastore:
                 parallel=parallel,
                 max_workers=max_workers or min(32, 2 * len(urls)),
             )
-            check_stamps(placement, backends)
-            if self.catalog.read_meta().get("owned_init") != "1":
-                for no, backend in enumerate(backends):
-                    backend.claim_buckets(placement.buckets_of_shard(no))
-                self.catalog.set_meta("owned_init", "1")
-            if shard_key is not None:
-                check_identifier(shard_key, "shard_key")
-            check_global(shard_map, shard_key, global_at)
-            known = self.catalog.kinds()
-            if self.kind not in known:  # a new kind: its name must be free (bagstore.names)
-                check_new_kind(self.kind, known, IndexCatalog(catalog_backend).all_entries())
-            recorded = self.catalog.register_kind(self.kind, shard_key or "", shard_map)
-            if recorded != (shard_key or "", shard_map):
-                raise ConfigurationError(
-                    f"kind {self.kind!r} is placed by {recorded[0] or 'id'!r} "
-                    f"({recorded[1]} map), not by {shard_key or 'id'!r} ({shard_map} map)"
-                )
-            for b in backends:
-                ensure_limits = getattr(b, "ensure_limits", None)
-                if ensure_limits is not None:
-                    ensure_limits()
-                    self.check_body_capacity(b)
-            if shard_map == "global":  # one database, not sharded (docs/tables.md)
-                pin_home(self.router, self.kind, global_at, self.max_body_bytes)
-            self.router.on_all(lambda b: b.ensure_kind(self.kind))
+            prepare_kind(
+                self.router,
+                placement,
+                backends,
+                self.kind,
+                shard_key=shard_key,
+                shard_map=shard_map,
+                global_at=global_at,
+                max_body_bytes=self.max_body_bytes,
+            )
         except BaseException:
             self.close()
             raise
@@ -228,15 +213,7 @@ class Datastore:
     def check_body_capacity(self, backend: Backend) -> None:
         """Refuse a shard whose server could not store a body of ``max_body_bytes``
         (MySQL: its ``max_allowed_packet``)."""
-        if backend.max_body_bytes < self.max_body_bytes:
-            raise ConfigurationError(
-                f"shard {backend.name} stores bodies of at most {backend.max_body_bytes} "
-                "bytes (what its server's max_allowed_packet carries, at most a MEDIUMBLOB), "
-                f"under this store's max_body_bytes "
-                f"of {self.max_body_bytes}: raise the server's max_allowed_packet to at least "
-                f"{2 * self.max_body_bytes + 64 * 1024}, or give max_body_bytes="
-                f"{backend.max_body_bytes} or less"
-            )
+        check_body_capacity(backend, self.max_body_bytes)
 
     def bucket_of_id(self, entity_id: bytes) -> int | None:
         """The bucket holding an entity (None if this kind does not know the id)."""
@@ -522,52 +499,16 @@ class Datastore:
     def count(self) -> int:
         """Entities of this kind over all shards: a bucket in an unfinished move
         counts once, on the shard that owns it (see :mod:`bagstore.owners`)."""
-        return sum(self._counts())
-
-    def _counts(self) -> list[int]:
-        """Entities of this kind per shard, each bucket counted on its owner only."""
-        from bagstore.owners import unfinished_moves
-
-        moves = unfinished_moves(self.router)
-        backends = self.router.backends
-
-        def on(shard: int) -> int:
-            backend = backends[shard]
-            n = backend.count(self.kind)
-            return n - len(moves.ids_on(backend, shard, self.kind)) if moves else n
-
-        return self.router.map(on, range(len(backends)))
+        return sum(shard_counts(self.router, self.kind))
 
     def status(self) -> dict[str, Any]:
         """Shards, buckets per shard and entity counts (one query per shard);
         ``index_writes``: which indexes are written with their entity
         (:mod:`bagstore.colocated`); SQLite's version and WAL-reset bug."""
-        counts = self._counts()
-        topology = self.router.topology
-        library: dict[str, Any] = {}
-        if any(b.dialect.name == "sqlite" for b in topology.backends):
-            from bagstore.backends.sqlite import sqlite_library
-
-            library["sqlite"] = sqlite_library()
-        return {
-            "kind": self.kind,
-            "buckets": topology.buckets,
-            "shards": [
-                {
-                    "shard": i,
-                    "name": b.name,
-                    "buckets": topology.shard_of_bucket.count(i),
-                    "entities": counts[i],
-                }
-                for i, b in enumerate(topology.backends)
-            ],
-            "entities": sum(counts),
-            "index_writes": atomicity(
-                self.registry().maintained(), self.placer.shard_key, topology.sole_shard is not None
-            ),
-            **({"cache": self.cache_layer.status()} if self.cache_layer.cache is not None else {}),
-            **library,
-        }
+        counts = shard_counts(self.router, self.kind)
+        return store_status(
+            self.router, self.kind, counts, self.registry, self.placer.shard_key, self.cache_layer
+        )
 
     # -- cache -----------------------------------------------------------------------
     def request(self) -> AbstractContextManager[Any]:
@@ -634,29 +575,6 @@ def open(
     ``shards`` is how many files a new store gets (default 4); an existing store
     keeps the number it was created with.
     """
-    from bagstore.backends.sqlite import SQLiteBackend
-
-    root = os.fspath(path)
-    if shards is not None and (
-        not isinstance(shards, int) or isinstance(shards, bool) or shards < 1
-    ):
-        raise ConfigurationError(f"shards must be a positive integer, not {shards!r}")
-    os.makedirs(root, exist_ok=True)
-    first = os.path.join(root, SQLITE_SHARD_FILE.format(0))
-    existing: int | None = None
-    if os.path.exists(first):
-        probe = SQLiteBackend(first)
-        try:
-            existing = Catalog(probe).stored_shard_count()
-        finally:
-            probe.close()
-    if existing is not None and shards is not None and shards != existing:
-        raise ConfigurationError(
-            f"the store in {root!r} has {existing} shards; {shards} were asked for"
-        )
-    # An existing store lists its shards (some maybe added later) in its catalog,
-    # which lives in the first file: name only that one.
-    count = 1 if existing else (shards or 4)
-    files = [SQLITE_SHARD_FILE.format(i) for i in range(count)]
+    root, files = sqlite_store(path, shards)  # (bagstore.opening)
     urls = ["sqlite:///" + os.path.join(root, f) for f in files]
     return Datastore(urls, indexes=indexes, _shard_names=files, _root=root, **kwargs)

@@ -2,8 +2,11 @@
 
 A :class:`Backend` owns the connections to one shard and runs every statement
 bagstore sends there.  The SQL text is built by its :class:`Dialect` (data plus
-small builder methods); ``sqlite.py`` and ``mysql.py`` subclass both.  Nothing
-outside ``backends/`` writes SQL or asks which database it talks to.
+small builder methods); ``sqlite.py`` and ``mysql.py`` subclass both.  Both
+have parts mixed in from their own modules: the entities tables' statements
+(``entities.py``), the index tables' (``indexsql.py``) and bucket ownership
+(``buckets.py``).  Nothing outside ``backends/`` writes SQL or asks which
+database it talks to.
 
 Identifiers are checked against ``^[A-Za-z_][A-Za-z0-9_]{0,63}$`` and quoted;
 values are always bound parameters.  Driver exceptions are translated into the
@@ -15,16 +18,22 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-from bagstore.backends.buckets import BucketOps, ownership_error
-from bagstore.backends.changesql import ensure_change_tables, skip_sql
+from bagstore.backends.buckets import BucketOps
+from bagstore.backends.changesql import ensure_change_tables
+from bagstore.backends.entities import (
+    ENTITY_COLUMNS,
+    EntityOps,
+    EntityRow,
+    EntitySQL,
+    Stored,
+    Within,
+)
 from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
 from bagstore.errors import BackendError, BagstoreError, ConfigurationError, ShardUnavailable
-from bagstore.versions import clock, next_version
 
 __all__ = [
     "ENTITY_COLUMNS",
@@ -42,14 +51,7 @@ __all__ = [
 
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
-#: The columns every entities table has (see ``Dialect.create_entities_sql``).
-ENTITY_COLUMNS = frozenset({"added_id", "id", "bucket", "updated", "version", "body"})
-
 T = TypeVar("T")
-
-#: ``within(cursor, {id: old body or None})``: work run inside an entity
-#: write's transaction (see :meth:`Backend.put_entities`).
-Within = Callable[[Any, "dict[bytes, bytes | None]"], None]
 
 log = logging.getLogger(__name__)
 
@@ -68,25 +70,7 @@ def check_identifier(name: object, what: str = "name") -> str:
     return name
 
 
-@dataclass(frozen=True, slots=True)
-class EntityRow:
-    """One row of an entities table as bagstore writes it."""
-
-    id: bytes
-    bucket: int
-    updated: int  # microseconds since the Unix epoch, UTC
-    body: bytes
-
-
-class Stored(NamedTuple):
-    """An entity row as read back: encoded body, version, updated (µs)."""
-
-    body: bytes
-    version: int
-    updated: int
-
-
-class Dialect:
+class Dialect(EntitySQL):
     """SQL text for one database family.  Subclasses override what differs."""
 
     name: ClassVar[str] = "generic"
@@ -136,26 +120,6 @@ class Dialect:
         """A secondary index created with its table (SQLite) or after it."""
         raise NotImplementedError
 
-    def locked_read_sql(self, kind: str, buckets: int, ids: int, bodies: bool = True) -> str:
-        """For a write transaction, one statement: the ownership rows of
-        ``buckets`` buckets, share-locked until the transaction ends, as
-        ``(bucket, state, NULL, NULL, NULL, NULL)``; then the rows of ``ids``
-        ids, locked for update, as ``(NULL, NULL, id, body, version, updated)``
-        (the body NULL unless ``bodies``)."""
-        parts = []
-        if buckets:
-            parts.append(
-                "SELECT bucket, state, NULL, NULL, NULL, NULL FROM bagstore_owned "
-                f"WHERE bucket IN ({self.params(buckets)})" + self.share_lock
-            )
-        if ids:
-            parts.append(
-                f"SELECT NULL, NULL, id, {'body' if bodies else 'NULL'}, version, updated "
-                f"FROM {self.q(kind)} "
-                f"WHERE id IN ({self.params(ids)})" + self.for_update
-            )
-        return self.union_all_sql(parts)
-
     def fenced_insert_sql(
         self, table: str, columns: Sequence[str], rows: int, *, ignore: bool
     ) -> str:
@@ -193,67 +157,6 @@ class Dialect:
             f"JOIN bagstore_owned o ON o.bucket = v.{bucket} AND o.state = 0"
         )
 
-    def copy_entities_sql(self, kind: str, rows: int) -> str:
-        """Upsert rows ``(id, bucket, updated, version, body)`` keeping their version."""
-        raise NotImplementedError
-
-    # -- entities ------------------------------------------------------------
-    def create_entities_sql(self, kind: str) -> list[str]:
-        raise NotImplementedError
-
-    def upsert_entities_sql(self, kind: str, rows: int) -> str:
-        """Upsert rows ``(id, bucket, updated, body)``, counting ``version`` up
-        by one (a hand-written writer's statement: the benchmarks' raw side)."""
-        raise NotImplementedError
-
-    def write_entities_sql(self, kind: str, rows: int) -> str:
-        """Upsert rows ``(id, bucket, updated, version, body)``; a row that
-        exists gets the larger of its version + 1 and the one given (bagstore's
-        writes: see :mod:`bagstore.versions`)."""
-        raise NotImplementedError
-
-    def put_one_sql(self, kind: str) -> str | None:
-        """One statement that upserts one entity ``(id, bucket, updated, body)``
-        if this shard owns its bucket (parameters: those, then the bucket) and
-        returns its new version, the clock read under the row's lock (see
-        :mod:`bagstore.versions`); None where no statement can (then a
-        transaction does it)."""
-        return None
-
-    def conditional_update_sql(self, kind: str, moves: bool) -> str:
-        """Replace one row's ``updated, version, body`` (and ``bucket`` first
-        if ``moves``) only if its id has the version given and this shard owns
-        the bucket (share-locked, as a fenced insert's): parameters ``[bucket,]
-        updated, version, body, id, expected version, bucket``.  (An indexed
-        column left out of the SET costs nothing.)"""
-        p = self.param
-        return (
-            f"UPDATE {self.q(kind)} SET {f'bucket = {p}, ' if moves else ''}updated = {p}, "
-            f"version = {p}, body = {p} WHERE id = {p} AND version = {p} AND EXISTS "
-            f"(SELECT 1 FROM bagstore_owned WHERE bucket = {p} AND state = 0{self.share_lock})"
-        )
-
-    def widen_version_sql(self, kind: str) -> list[str]:
-        return []
-
-    def select_bodies_sql(
-        self,
-        kind: str,
-        n: int,
-        lock: bool = False,
-        schema: str | None = None,
-        stamps: bool = True,
-    ) -> str:
-        """``SELECT id, body, version, updated`` of ``n`` ids (``id, body``
-        without ``stamps``: a reader that needs only the bodies saves the
-        driver two columns of every row)."""
-        table = self.q(kind) if schema is None else f"{self.q(schema)}.{self.q(kind)}"
-        sql = (
-            f"SELECT id, body{', version, updated' if stamps else ''} FROM {table} WHERE id"
-            f"{' = ' + self.param if n == 1 else ' IN (' + self.params(n) + ')'}"
-        )
-        return sql + self.for_update if lock else sql
-
     def union_all_sql(self, parts: Sequence[str]) -> str:
         """One statement returning the rows of every part (parts with their own
         ORDER BY, LIMIT or lock clause only where the dialect allows them)."""
@@ -265,10 +168,6 @@ class Dialect:
     #: the compound's ORDER BY merges parts that each read an index in that
     #: order, a row at a time, and stops at its LIMIT.
     limit_union_parts = False
-
-    def delete_entities_sql(self, kind: str, n: int) -> str:
-        cond = f" = {self.param}" if n == 1 else f" IN ({self.params(n)})"
-        return f"DELETE FROM {self.q(kind)} WHERE id{cond}"
 
     def create_index_table_sql(self, table: str, columns: Sequence[str], unique: bool) -> list[str]:
         raise NotImplementedError
@@ -292,7 +191,7 @@ class Dialect:
         raise NotImplementedError
 
 
-class Backend(BucketOps, IndexOps):
+class Backend(EntityOps, BucketOps, IndexOps):
     """One shard: a database reached through a pool of DB-API connections.
 
     Subclasses provide ``_acquire``/``_release``/``_discard`` (connection
@@ -578,7 +477,6 @@ class Backend(BucketOps, IndexOps):
         store, no = self.select_all("bagstore_shard", ("store", "shard_no"))[0]
         return str(store), int(no)
 
-    # -- entities ------------------------------------------------------------
     def table_columns(self, table: str) -> frozenset[str]:
         """The column names of ``table`` on this shard (empty if it does not exist)."""
         check_identifier(table, "table name")
@@ -586,373 +484,6 @@ class Backend(BucketOps, IndexOps):
         return frozenset(
             (r[0].decode() if isinstance(r[0], bytes) else str(r[0])).lower() for r in rows
         )
-
-    def ensure_kind(self, kind: str) -> None:
-        """Create the entities table of ``kind`` when missing (once per process).
-
-        Raises ``ConfigurationError`` if a table of that name exists that is not
-        an entities table (an index's, bagstore's own or another program's): the
-        kind would write into it."""
-        if kind in self._ready_kinds:
-            return
-        with self._schema_lock:
-            if kind not in self._ready_kinds:
-                self._check_entities_table(kind)
-                self._executescript(self.dialect.create_entities_sql(kind))
-                self._check_entities_table(kind)
-                self._widen_version(kind)
-                self._ready_kinds.add(kind)
-
-    def _widen_version(self, kind: str) -> None:
-        """Give a table made by an older bagstore a ``version`` column wide
-        enough for :mod:`bagstore.versions` (MySQL's INT to BIGINT); nothing to
-        do where every integer column is wide (SQLite)."""
-
-    def _check_entities_table(self, kind: str) -> None:
-        columns = self.table_columns(kind)
-        if columns and not columns >= ENTITY_COLUMNS:
-            raise ConfigurationError(
-                f"kind {kind!r}: shard {self.name} holds a table {kind!r} that is not an "
-                f"entities table (columns {sorted(columns)}): a kind cannot share its name with "
-                "an index table or any other table (see 'Names' in docs/cleaner.md)"
-            )
-
-    def get_body(self, kind: str, entity_id: bytes) -> bytes | None:
-        """One entity's encoded body on this shard, or None: one statement."""
-        sql = self.sql("select_bodies_sql", kind, 1, False, None, False)
-        row = self.run(_fetchone, sql, (entity_id,))
-        return None if row is None else bytes(row[1])
-
-    def get_bodies(self, kind: str, ids: Sequence[bytes]) -> dict[bytes, Stored]:
-        """``{id: Stored(body, version, updated)}`` of the ids present on this shard."""
-        return {r[0]: Stored(r[1], r[2], r[3]) for r in self.read_bodies(kind, ids, stamps=True)}
-
-    def read_bodies(
-        self, kind: str, ids: Sequence[bytes], *, stamps: bool
-    ) -> list[tuple[Any, ...]]:
-        """Rows ``(id, body, version, updated)`` (``(id, body)`` without
-        ``stamps``) of the ids present on this shard, as the driver returns them:
-        bytes and ints."""
-        if not ids:
-            return []
-        sql = self.sql("select_bodies_sql", kind, len(ids), False, None, stamps)
-        return self.fetchall(sql, ids)
-
-    def _chunks(self, rows: Sequence[EntityRow]) -> Iterator[Sequence[EntityRow]]:
-        """Split rows so that one statement stays under ``max_statement_bytes``."""
-        start, size = 0, 0
-        for i, row in enumerate(rows):
-            size += len(row.body) + 64
-            if i > start and (
-                size > self.max_statement_bytes or i - start >= self.max_statement_rows
-            ):
-                yield rows[start:i]
-                start, size = i, len(row.body) + 64
-        if start < len(rows):
-            yield rows[start:]
-
-    def put_entities(
-        self,
-        kind: str,
-        rows: Sequence[EntityRow],
-        *,
-        read_old: bool,
-        versions: dict[bytes, int] | None = None,
-        stamps: dict[bytes, int] | None = None,
-        expect: Mapping[bytes, int] | None = None,
-        carried: Mapping[bytes, int] | None = None,
-        refused: dict[bytes, int] | None = None,
-        within: Within | None = None,
-    ) -> dict[bytes, bytes]:
-        """Upsert rows in one transaction; with ``read_old`` return the bodies
-        they replaced (read in the same transaction, rows locked).
-        ``versions`` (if given) is filled with each row's new version
-        (:func:`bagstore.versions.next_version` of the one read under the
-        row's lock), and ``stamps`` (if given) with the ``updated`` of each
-        row replaced.
-
-        Conditional writes: ``expect`` maps ids to the version each must have
-        (0: no row); ``carried`` the version of an entity's copy in another
-        bucket (a put that moves it there), taken as found when this shard has
-        no row of the id.  If any row's condition fails, nothing is written:
-        ``refused`` (required with ``expect``) gets ``{id: version found}`` of
-        the rows that failed and ``{}`` is returned.  ``within(cursor, old)``,
-        if given, runs in the transaction after the upsert (``old``: ``{id:
-        replaced body or None}``, the bodies only with ``read_old``)."""
-
-        one = rows[0] if len(rows) == 1 else None
-        alone = one is not None and not (read_old or expect or carried or within)
-        if alone and self._put_one(kind, rows[0], versions):
-            return {}
-        if (
-            one is not None
-            and expect
-            and expect.get(one.id, 0) > 0
-            and not (read_old or carried or within)
-            and self.update_if(kind, one, expect[one.id], versions)
-        ):
-            return {}  # one statement did it (else: the transaction finds out why not)
-
-        def work(conn: Any) -> dict[bytes, bytes]:
-            old: dict[bytes, bytes] = {}
-            found: dict[bytes, int] = {}
-            with self.transaction(conn) as cur:
-                ids = [r.id for r in rows]
-                for r in self._locked_read(cur, kind, [r.bucket for r in rows], ids, read_old):
-                    found[r[0]] = r[2]
-                    if read_old:
-                        old[r[0]] = r[1]
-                    if stamps is not None:
-                        stamps[r[0]] = r[3]
-                if carried:
-                    found = {**{i: v for i, v in carried.items() if i in ids}, **found}
-                if expect:
-                    failed = {i: found.get(i, 0) for i, v in expect.items() if found.get(i, 0) != v}
-                    if failed:
-                        assert refused is not None, "expect needs refused"
-                        refused.update(failed)
-                        return {}
-                # The clock is read with the rows locked (bagstore.versions).
-                new = {r.id: next_version(found.get(r.id)) for r in rows}
-                for chunk in self._chunks(rows):
-                    cur.execute(
-                        self.sql("write_entities_sql", kind, len(chunk)), _flatten(chunk, new)
-                    )
-                if within is not None:
-                    within(cur, {i: old.get(i) for i in ids})
-            if versions is not None:
-                versions.update(new)
-            return old
-
-        return self.run(work)
-
-    def _put_one(self, kind: str, row: EntityRow, versions: dict[bytes, int] | None) -> bool:
-        """One entity in one statement, where the dialect has one; False if it
-        has none (or the bucket came back to this shard meanwhile)."""
-        sql = self.sql("put_one_sql", kind)
-        if sql is None:
-            return False
-
-        def work(conn: Any) -> Any:
-            cur = conn.cursor()
-            try:
-                cur.execute(sql, [row.id, row.bucket, row.updated, row.body, row.bucket])
-                return cur.fetchone()
-            finally:
-                cur.close()
-
-        found = self.run(work)
-        if found is None:  # the bucket is not owned here (or is frozen)
-            self.check_owned([row.bucket])
-            return False
-        if versions is not None:
-            versions[row.id] = int(found[0])
-        return True
-
-    def update_if(
-        self,
-        kind: str,
-        row: EntityRow,
-        expected: int,
-        versions: dict[bytes, int] | None,
-        *,
-        moves: bool = True,
-    ) -> bool:
-        """A conditional write of one existing row that needs nothing else in
-        its transaction: one ``UPDATE ... WHERE version = expected`` (its new
-        version above the one it replaces, whatever the clock says).  False if
-        it changed nothing (another version, no row, or a bucket not owned).
-        ``moves=False``: the row's bucket is the one it has (placed by its id)."""
-        new = max(expected + 1, clock())
-        params = [row.updated, new, row.body, row.id, expected, row.bucket]
-        if moves:
-            params.insert(0, row.bucket)
-        if self.execute(self.sql("conditional_update_sql", kind, moves), params) != 1:
-            return False
-        if versions is not None:
-            versions[row.id] = new
-        return True
-
-    def _locked_read(
-        self,
-        cur: Any,
-        kind: str,
-        buckets: Sequence[int],
-        ids: Sequence[bytes],
-        bodies: bool = True,
-    ) -> list[tuple[Any, ...]]:
-        """Inside a write transaction: lock the buckets' ownership rows (shared)
-        and raise unless this shard owns them all; lock the rows of ``ids`` and
-        return them as ``(id, body, version, updated)`` (the body None unless
-        ``bodies``).  One statement for up to 1,000 buckets and 1,000 ids."""
-        wanted = sorted(set(buckets))
-        states: dict[int, int] = {}
-        found: list[tuple[Any, ...]] = []
-        for start in range(0, max(len(wanted), len(ids)), 1000):
-            some = wanted[start : start + 1000]
-            part = ids[start : start + 1000]
-            sql = self.sql("locked_read_sql", kind, len(some), len(part), bodies)
-            cur.execute(sql, [*some, *part])
-            # int(): a UNION of NULL and an integer column may come back as
-            # DECIMAL (MariaDB does so for INT UNSIGNED).
-            for r in cur.fetchall():
-                if r[0] is not None:
-                    states[int(r[0])] = int(r[1])
-                else:
-                    found.append((r[2], r[3], int(r[4]), int(r[5])))
-        error = ownership_error(self.name, wanted, states)
-        if error is not None:
-            raise error
-        return found
-
-    def delete_entities(
-        self,
-        kind: str,
-        ids: Sequence[bytes],
-        buckets: Sequence[int],
-        *,
-        read_old: bool,
-        versions: dict[bytes, int] | None = None,
-        stamps: dict[bytes, int] | None = None,
-        record: bool = True,
-        expect: Mapping[bytes, int] | None = None,
-        refused: dict[bytes, int] | None = None,
-        within: Within | None = None,
-    ) -> dict[bytes, bytes | None]:
-        """Delete ids (of ``buckets``, which this shard must own); return ``{id:
-        old body}`` of those that existed (the body is ``None`` unless ``read_old``).
-        ``versions`` (if given) is filled with the deleted rows' versions, and
-        ``stamps`` (if given) with their ``updated``.  ``expect``, ``refused``
-        and ``within`` as for :meth:`put_entities` (a failed condition deletes
-        nothing on this shard).  Without ``record``, the deletes leave no
-        change in the kind's change feed (an entity moved to another bucket:
-        its put is the change; see backends/changesql.py)."""
-
-        def work(conn: Any) -> dict[bytes, bytes | None]:
-            with self.transaction(conn) as cur:
-                found: dict[bytes, bytes | None] = {}
-                seen: dict[bytes, tuple[int, int]] = {}
-                for r in self._locked_read(cur, kind, buckets, ids, read_old):
-                    found[r[0]] = r[1] if read_old else None
-                    seen[r[0]] = (r[2], r[3])
-                if expect:
-                    failed = {
-                        i: seen[i][0] if i in seen else 0
-                        for i, v in expect.items()
-                        if (seen[i][0] if i in seen else 0) != v
-                    }
-                    if failed:
-                        assert refused is not None, "expect needs refused"
-                        refused.update(failed)
-                        return {}
-                present = list(found)
-                for start in range(0, len(present), 1000):
-                    part = present[start : start + 1000]
-                    if not record:  # (change feed) marked unrecorded, see changesql
-                        cur.execute(skip_sql(self.dialect, len(part), insert=True),
-                                    [v for i in part for v in (kind, i)])  # fmt: skip
-                    cur.execute(self.sql("delete_entities_sql", kind, len(part)), part)
-                    if not record:
-                        cur.execute(skip_sql(self.dialect, len(part), insert=False), [kind, *part])
-                if within is not None:
-                    within(cur, found)
-            if versions is not None:
-                versions.update({i: v for i, (v, _) in seen.items()})
-            if stamps is not None:
-                stamps.update({i: u for i, (_, u) in seen.items()})
-            return found
-
-        if not ids:
-            return {}
-        return self.run(work)
-
-    def read_locked(
-        self, kind: str, ids: Sequence[bytes], buckets: Sequence[int]
-    ) -> dict[bytes, Stored]:
-        """``{id: Stored}`` of the ids present, read in a write transaction with
-        their rows locked (of ``buckets``, which this shard must own): a write
-        still committing is waited for, never missed."""
-
-        def work(conn: Any) -> dict[bytes, Stored]:
-            with self.transaction(conn) as cur:
-                rows = self._locked_read(cur, kind, buckets, ids)
-            return {r[0]: Stored(bytes(r[1]), r[2], r[3]) for r in rows}
-
-        return self.run(work) if ids else {}
-
-    def scan_entities(
-        self, kind: str, after_added_id: int, limit: int
-    ) -> list[tuple[int, bytes, bytes, int]]:
-        """``(added_id, id, body, updated)`` of the next rows after ``after_added_id``."""
-        d = self.dialect
-        sql = (
-            f"SELECT added_id, id, body, updated FROM {d.q(kind)} WHERE added_id > {d.param} "
-            f"ORDER BY added_id LIMIT {int(limit)}"
-        )
-        return [
-            (int(r[0]), bytes(r[1]), bytes(r[2]), int(r[3]))
-            for r in self.fetchall(sql, [after_added_id])
-        ]
-
-    def scan_recent(
-        self, kind: str, before: tuple[int, int] | None, since: int | None, limit: int
-    ) -> list[tuple[int, bytes, bytes, int]]:
-        """``(added_id, id, body, updated)``, most recently updated first, strictly
-        before the ``(updated, added_id)`` position, not older than ``since``."""
-        d, p = self.dialect, self.dialect.param
-        where, params = [], []
-        if before is not None:
-            where.append(f"(updated < {p} OR (updated = {p} AND added_id < {p}))")
-            params += [before[0], before[0], before[1]]
-        if since is not None:
-            where.append(f"updated >= {p}")
-            params.append(since)
-        sql = (
-            f"SELECT added_id, id, body, updated FROM {d.q(kind)}"
-            + (f" WHERE {' AND '.join(where)}" if where else "")
-            + f" ORDER BY updated DESC, added_id DESC LIMIT {int(limit)}"
-        )
-        return [
-            (int(r[0]), bytes(r[1]), bytes(r[2]), int(r[3])) for r in self.fetchall(sql, params)
-        ]
-
-    def scan_bodies(
-        self, kind: str, after_added_id: int, limit: int, *, packed: bool = False
-    ) -> tuple[list[tuple[bytes, bytes]], str]:
-        """A backfill's read: ``(id, body)`` of the next rows after
-        ``after_added_id`` (in ``added_id`` order), and the same rows' stamps,
-        read at the same moment, as :meth:`stamps_text` spells them.
-        ``packed``: the server may work more to send less (a backend whose
-        driver spends more per column than the server does: a flat-out
-        backfill's choice, not a paced one's)."""
-        rows = self.scan_entities(kind, after_added_id, limit)
-        return [(r[1], r[2]) for r in rows], ",".join([f"{r[0]}:{r[3]}:{r[1].hex()}" for r in rows])
-
-    def stamps_text(self, kind: str, after: int, last: int, *, packed: bool = False) -> str:
-        """The rows with ``after < added_id <= last`` as one string,
-        ``added_id:updated:id in hex`` joined by commas in ``added_id`` order:
-        the same text as :meth:`scan_bodies` gave for them exactly when none of
-        them changed, went or came since (``packed``: as for
-        :meth:`scan_bodies`, the server may build it)."""
-        d = self.dialect
-        sql = (
-            f"SELECT added_id, updated, id FROM {d.q(kind)} "
-            f"WHERE added_id > {d.param} AND added_id <= {d.param} ORDER BY added_id"
-        )
-        rows = self.fetchall(sql, [after, last])
-        return ",".join([f"{int(a)}:{int(u)}:{bytes(i).hex()}" for a, u, i in rows])
-
-    def versions(self, kind: str, ids: Sequence[bytes]) -> dict[bytes, tuple[int, int]]:
-        """``{id: (version, updated)}`` of the ids present."""
-        if not ids:
-            return {}
-        d = self.dialect
-        sql = f"SELECT id, version, updated FROM {d.q(kind)} WHERE id IN ({d.params(len(ids))})"
-        return {bytes(r[0]): (int(r[1]), int(r[2])) for r in self.fetchall(sql, list(ids))}
-
-    def max_added_id(self, kind: str) -> int:
-        rows = self.fetchall(f"SELECT MAX(added_id) FROM {self.dialect.q(kind)}")
-        return int(rows[0][0] or 0)
 
     def count(self, table: str) -> int:
         return int(self.fetchall(self.dialect.count_sql(table))[0][0])
@@ -990,22 +521,6 @@ def read_bodies_together(
         params.extend(ids)
     sql = lead.dialect.union_all_sql(selects)
     return lead.read_together(sql, params, [backend for backend, _ in parts])
-
-
-def _fetchone(conn: Any, sql: str, params: Sequence[Any]) -> Any:
-    cur = conn.cursor()
-    try:
-        cur.execute(sql, params)
-        return cur.fetchone()
-    finally:
-        cur.close()
-
-
-def _flatten(rows: Sequence[EntityRow], versions: Mapping[bytes, int]) -> list[Any]:
-    out: list[Any] = []
-    for r in rows:
-        out += (r.id, r.bucket, r.updated, versions[r.id], r.body)
-    return out
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""MariaDB / MySQL through PyMySQL (default) or mysqlclient.
+"""MariaDB / MySQL through PyMySQL (default) or mysqlclient (the statement
+text, :class:`MySQLDialect`, is in ``mysqlsql.py``).
 
 Driver quirks live here: every session runs with ``time_zone='+00:00'`` and a
 strict ``sql_mode``; bytes go over the wire with the ``_binary`` prefix; the
@@ -35,12 +36,12 @@ import importlib
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
-from bagstore.backends.base import Backend, Dialect, check_identifier
+from bagstore.backends.base import Backend, check_identifier
 from bagstore.backends.gtid import Gtids, tracking_connection
+from bagstore.backends.mysqlsql import MySQLDialect
 from bagstore.backends.pool import Pool, in_long_statements
-from bagstore.backends.seqsql import MySQLSequenceSQL, SequenceSQL
 from bagstore.errors import (
     BackendError,
     ConfigurationError,
@@ -57,11 +58,6 @@ SQL_MODE = (
 )
 # group_concat_max_len: MySQL's default (1,024 bytes) would cut int_column short.
 INIT_COMMAND = f"SET time_zone = '+00:00', sql_mode = '{SQL_MODE}', group_concat_max_len = 16777216"
-
-#: The ``added_id:updated:id`` text of ``Backend.stamps_text``, built by the server.
-_STAMPS = (
-    "GROUP_CONCAT(added_id, ':', updated, ':', LOWER(HEX(id)) ORDER BY added_id SEPARATOR ',')"
-)
 
 log = logging.getLogger(__name__)
 #: A table that does not exist (ER_NO_SUCH_TABLE); a BIGINT column's type in
@@ -90,154 +86,6 @@ _UNKNOWN_VARIABLE = 1193
 _READ_ONLY = 1290  # the server runs with --read-only (a replica, or a fenced primary)
 _SESSION_TRACK = 1 << 23  # client capability: session state in OK packets
 _MEDIUMBLOB_MAX = 16 * 1024 * 1024 - 1
-_ENGINE = "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
-
-
-class MySQLDialect(Dialect):
-    #: Statement builders for id sequences (backends/seqsql.py).
-    sequences: ClassVar[SequenceSQL] = MySQLSequenceSQL()
-    name: ClassVar[str] = "mysql"
-    param: ClassVar[str] = "%s"
-    quote_char: ClassVar[str] = "`"
-    for_update: ClassVar[str] = " FOR UPDATE"
-    share_lock: ClassVar[str] = " LOCK IN SHARE MODE"
-    begin_write: ClassVar[str] = "BEGIN"
-    key_type: ClassVar[str] = "VARBINARY(255)"
-    id_type: ClassVar[str] = "BINARY(16)"
-    int_type: ClassVar[str] = "INT UNSIGNED"
-    bigint_type: ClassVar[str] = "BIGINT"
-
-    def create_catalog_sql(self) -> list[str]:
-        return [
-            "CREATE TABLE IF NOT EXISTS bagstore_meta "
-            f"(name VARCHAR(64) NOT NULL PRIMARY KEY, value TEXT NOT NULL) {_ENGINE}",
-            "CREATE TABLE IF NOT EXISTS bagstore_shards "
-            f"(shard_no INT NOT NULL PRIMARY KEY, name VARCHAR(512) NOT NULL) {_ENGINE}",
-            "CREATE TABLE IF NOT EXISTS bagstore_buckets "
-            f"(bucket INT NOT NULL PRIMARY KEY, shard_no INT NOT NULL) {_ENGINE}",
-            "CREATE TABLE IF NOT EXISTS bagstore_indexes (name VARCHAR(64) NOT NULL PRIMARY KEY, "
-            "kind VARCHAR(64) NOT NULL, definition TEXT NOT NULL, state VARCHAR(16) NOT NULL, "
-            f"changed BIGINT NOT NULL) {_ENGINE}",
-            "CREATE TABLE IF NOT EXISTS bagstore_checkpoints "
-            f"(name VARCHAR(191) NOT NULL PRIMARY KEY, value BIGINT NOT NULL) {_ENGINE}",
-            "CREATE TABLE IF NOT EXISTS bagstore_kinds (kind VARCHAR(64) PRIMARY KEY, "
-            f"shard_key VARCHAR(64) NOT NULL, shard_map VARCHAR(16) NOT NULL) {_ENGINE}",
-            "CREATE TABLE IF NOT EXISTS bagstore_moves (bucket INT NOT NULL PRIMARY KEY, "
-            f"source INT NOT NULL, target INT NOT NULL, phase VARCHAR(16) NOT NULL) {_ENGINE}",
-            "CREATE TABLE IF NOT EXISTS bagstore_directory (kind VARCHAR(64) NOT NULL, "
-            "skey VARBINARY(255) NOT NULL, bucket INT NOT NULL, state INT NOT NULL, "
-            f"PRIMARY KEY (kind, skey)) {_ENGINE}",
-            "CREATE TABLE IF NOT EXISTS bagstore_bucket_keys (kind VARCHAR(64) NOT NULL, "
-            f"bucket INT NOT NULL, n BIGINT NOT NULL, PRIMARY KEY (kind, bucket)) {_ENGINE}",
-        ]
-
-    def insert_ignore_sql(self, table: str, columns: Sequence[str], rows: int = 1) -> str:
-        # ON DUPLICATE KEY UPDATE a no-op rather than INSERT IGNORE, which would
-        # also turn truncation and other real errors into warnings.
-        cols = ", ".join(self.q(c) for c in columns)
-        values = ", ".join([f"({self.params(len(columns))})"] * rows)
-        first = self.q(columns[0])
-        return (
-            f"INSERT INTO {self.q(table)} ({cols}) VALUES {values} "
-            f"ON DUPLICATE KEY UPDATE {first} = {first}"
-        )
-
-    def union_all_sql(self, parts: Sequence[str]) -> str:
-        # Each part in parentheses: it may have its own ORDER BY, LIMIT or lock clause.
-        return " UNION ALL ".join(f"({p})" for p in parts)
-
-    # Each part with its own ORDER BY and LIMIT, in parentheses (cheaper than
-    # derived tables, which MariaDB materialises before the union): MariaDB
-    # reads a UNION's parts whole before the ORDER BY of the whole.
-    limit_union_parts = True
-
-    def create_secondary_sql(self, table: str, name: str, columns: Sequence[str]) -> list[str]:
-        cols = ", ".join(self.q(c) for c in columns)
-        # MariaDB knows IF NOT EXISTS for indexes; MySQL 8 does not (it would fail
-        # on a second run), so bagstore's MySQL tables declare keys inline instead.
-        return [f"CREATE INDEX IF NOT EXISTS {self.q(name)} ON {self.q(table)} ({cols})"]
-
-    def upsert_sql(self, table: str, key: Sequence[str], values: Sequence[str]) -> str:
-        cols = [*key, *values]
-        sets = ", ".join(f"{self.q(c)} = VALUES({self.q(c)})" for c in values)
-        return (
-            f"INSERT INTO {self.q(table)} ({', '.join(self.q(c) for c in cols)}) "
-            f"VALUES ({self.params(len(cols))}) ON DUPLICATE KEY UPDATE {sets}"
-        )
-
-    def scan_bodies_sql(self, kind: str, limit: int) -> str:
-        """``(id, body)`` of the next ``limit`` rows, and one more row ``(NULL,
-        their stamps)`` (see ``Backend.scan_bodies``), in one statement."""
-        t = self.q(kind)
-        nxt = f"FROM {t} WHERE added_id > %s ORDER BY added_id LIMIT {int(limit)}"
-        return (
-            f"(SELECT id, body {nxt}) UNION ALL "
-            f"(SELECT NULL, {_STAMPS} FROM (SELECT added_id, updated, id {nxt}) AS s)"
-        )
-
-    def stamps_text_sql(self, kind: str) -> str:
-        return f"SELECT {_STAMPS} FROM {self.q(kind)} WHERE added_id > %s AND added_id <= %s"
-
-    def create_entities_sql(self, kind: str) -> list[str]:
-        return [
-            f"CREATE TABLE IF NOT EXISTS {self.q(kind)} ("
-            " added_id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,"
-            " id BINARY(16) NOT NULL,"
-            " bucket INT UNSIGNED NOT NULL,"
-            " updated BIGINT NOT NULL,"
-            " version BIGINT UNSIGNED NOT NULL DEFAULT 1,"
-            " body MEDIUMBLOB NOT NULL,"
-            " PRIMARY KEY (added_id),"
-            " UNIQUE KEY id (id),"
-            " KEY bucket (bucket, added_id),"
-            f" KEY updated (updated)) {_ENGINE}"
-        ]
-
-    def create_index_table_sql(self, table: str, columns: Sequence[str], unique: bool) -> list[str]:
-        defs, key = self._index_table_parts(columns, unique)
-        return [
-            f"CREATE TABLE IF NOT EXISTS {self.q(table)} ({defs}, {key}, "
-            "KEY bagstore_bucket (bagstore_bucket), "
-            f"KEY entity_id (entity_id)) {_ENGINE}"
-        ]
-
-    def fenced_insert_sql(
-        self, table: str, columns: Sequence[str], rows: int, *, ignore: bool
-    ) -> str:
-        t = self.q(table)
-        cols = ", ".join(self.q(c) for c in columns)
-        sql = f"INSERT INTO {t} ({cols}) {self._fenced_select(columns, rows)}"
-        if ignore:
-            first = f"{t}.{self.q(columns[0])}"
-            sql += f" ON DUPLICATE KEY UPDATE {first} = {first}"
-        return sql
-
-    def copy_entities_sql(self, kind: str, rows: int) -> str:
-        values = ", ".join(["(%s, %s, %s, %s, %s)"] * rows)
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
-            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
-            "version = VALUES(version), body = VALUES(body)"
-        )
-
-    def widen_version_sql(self, kind: str) -> list[str]:
-        return [f"ALTER TABLE {self.q(kind)} MODIFY version BIGINT UNSIGNED NOT NULL DEFAULT 1"]
-
-    def write_entities_sql(self, kind: str, rows: int) -> str:
-        values = ", ".join(["(%s, %s, %s, %s, %s)"] * rows)
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
-            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
-            "version = GREATEST(version + 1, VALUES(version)), body = VALUES(body)"
-        )
-
-    def upsert_entities_sql(self, kind: str, rows: int) -> str:
-        values = ", ".join(["(%s, %s, %s, 1, %s)"] * rows)
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
-            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
-            "version = version + 1, body = VALUES(body)"
-        )
 
 
 def _load_driver(name: str) -> Any:
