@@ -15,10 +15,12 @@ import os
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pymysql
 import pytest
@@ -270,3 +272,44 @@ def test_a_connection_discarded_twice_frees_one_slot() -> None:
     with pytest.raises(bagstore.ShardTimeout, match="no free connection"):
         pool.acquire()
     pool.release(held)
+
+
+def test_a_deadlock_victim_runs_again_after_a_pause(
+    mysql_main: servers.MySQLAddress, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two transactions that lock two rows in opposite orders: MariaDB kills
+    one (1213); it runs again, after a random pause, and both commit."""
+    database = servers.unique_name("deadlock")
+    url = f"mysql://root@{mysql_main.host}:{mysql_main.port}/{database}{DRIVER}"
+    backend = open_backend(url)
+    try:
+        backend.execute("CREATE TABLE t (id INT PRIMARY KEY, n INT NOT NULL)")
+        backend.execute("INSERT INTO t VALUES (1, 0), (2, 0)")
+        both = threading.Barrier(2)
+        calls: list[int] = []
+
+        def locking(first: int, second: int) -> Any:
+            def work(conn: Any) -> None:
+                calls.append(first)
+                with backend.transaction(conn) as cur:
+                    cur.execute("UPDATE t SET n = n + 1 WHERE id = %s", (first,))
+                    if len(calls) <= 2:  # the first attempts meet each other
+                        both.wait(timeout=10)
+                    time.sleep(0.05)
+                    cur.execute("UPDATE t SET n = n + 1 WHERE id = %s", (second,))
+
+            return lambda: backend.run(work)
+
+        with caplog.at_level("INFO", logger="bagstore.backends.base"):
+            threads = [threading.Thread(target=locking(a, b)) for a, b in ((1, 2), (2, 1))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=30)
+        assert backend.fetchall("SELECT id, n FROM t ORDER BY id") == [(1, 2), (2, 2)]
+        assert len(calls) == 3  # one victim, run once more
+        assert any("Deadlock" in r.getMessage() and "trying again" in r.getMessage()
+                   for r in caplog.records)  # fmt: skip
+    finally:
+        backend.close()
+        servers.drop_databases(mysql_main.host, mysql_main.port, [database])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
@@ -298,7 +299,12 @@ class Backend(EntityOps, BucketOps, IndexOps):
             self._discard(conn)
             raise
 
-    def run(self, work: Callable[..., T], *args: Any, attempts: int = 3) -> T:
+    def retry_pause(self, exc: BaseException, attempt: int) -> float:
+        """Seconds to wait before trying again after ``attempt`` failed with
+        the retryable ``exc`` (0: at once)."""
+        return 0.0
+
+    def run(self, work: Callable[..., T], *args: Any, attempts: int = 5) -> T:
         """Run ``work(connection, *args)``; retry on a fresh connection when the failure
         was a dropped connection or a deadlock (``work`` must be idempotent,
         which every bagstore unit of work is: a transaction that did not
@@ -326,7 +332,10 @@ class Backend(EntityOps, BucketOps, IndexOps):
                     and cause is not None
                     and self.is_retryable(cause)
                 ):
-                    log.info("%s; trying again on a new connection", error)
+                    pause = self.retry_pause(cause, attempt)
+                    log.info("%s; trying again on a new connection in %.3f s", error, pause)
+                    if pause:
+                        time.sleep(pause)
                     continue
                 if error is exc:
                     raise

@@ -263,7 +263,7 @@ class SQLiteBackend(Backend):
         rows: list[tuple[Any, ...]] = self._read(sql, params, one=False)
         return rows
 
-    def run(self, work: Callable[..., T], *args: Any, attempts: int = 3) -> T:
+    def run(self, work: Callable[..., T], *args: Any, attempts: int = 5) -> T:
         """:meth:`Backend.run`, run again while the database is locked by another
         connection (short waits, see the module's text), for ``busy_timeout``
         seconds at most."""
