@@ -322,18 +322,6 @@ def shard_scans(
     return out
 
 
-def merged_eq(eqs: Sequence[list[list[bytes]]]) -> list[list[bytes]]:
-    """The ``eq`` of one scan standing for the scans of several shards: the keys
-    each leading column may equal in any of them (they differ only in the
-    shard_on values each shard holds; a value finds no rows on a shard it is
-    not placed on, and a stale copy found there is re-checked as any row)."""
-    out = [list(keys_) for keys_ in eqs[0]]
-    for eq in eqs[1:]:
-        for have, more in zip(out, eq, strict=True):
-            have += [k for k in more if k not in have]
-    return out
-
-
 class _Stream:
     """One scan, fetched a page at a time from the keyset position: of one
     shard, or of several (``shards``) merged in one statement.

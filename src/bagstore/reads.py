@@ -28,7 +28,7 @@ from bagstore.backends import Backend, Stored
 from bagstore.backends.base import TOGETHER_MAX_IDS, read_bodies_together
 from bagstore.cache.request import _current as _current_request
 from bagstore.errors import BackendError
-from bagstore.query import Plan, _Stream, merged_eq, shard_scans
+from bagstore.query import Plan, _Stream, shard_scans
 from bagstore.sharding.hashing import bucket_of
 from bagstore.sharding.replicas import check_read_from
 
@@ -347,3 +347,15 @@ def together(
         key = backend.together if scans or backend.union_reads else None
         groups.setdefault(key if key is not None else ("alone", n), []).append(item)
     return list(groups.values())
+
+
+def merged_eq(eqs: Sequence[list[list[bytes]]]) -> list[list[bytes]]:
+    """The ``eq`` of one scan standing for the scans of several shards: the keys
+    each leading column may equal in any of them (they differ only in the
+    shard_on values each shard holds; a value finds no rows on a shard it is
+    not placed on, and a stale copy found there is re-checked as any row)."""
+    out = [list(keys_) for keys_ in eqs[0]]
+    for eq in eqs[1:]:
+        for have, more in zip(out, eq, strict=True):
+            have += [k for k in more if k not in have]
+    return out
