@@ -802,6 +802,14 @@ class Memcached(_ManagedServer):
         return "Address already in use" in _tail(self.workdir / "stderr.log")
 
 
+def sigint_default() -> None:
+    """A ``preexec_fn`` for a child that a test interrupts with SIGINT: its
+    default disposition back, since a shell starting the tests in the
+    background (``cmd &``) leaves SIGINT ignored, and Python then raises no
+    KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn_python(code: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """``python -c CODE`` (dedented) in a child process that imports this
     checkout's ``tests`` package; stdout and stderr piped as text."""

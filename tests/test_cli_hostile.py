@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 import bagstore
 from bagstore import cli_errors, cli_json
 from bagstore.cli import cli, dumps_entity, loads_json
+from tests import servers
 
 FAST = settings(
     max_examples=60,
@@ -610,6 +611,7 @@ def _interrupt_when(
         stderr=subprocess.PIPE,
         text=True,
         cwd=cwd,
+        preexec_fn=servers.sigint_default,
     )
     try:
         deadline = time.monotonic() + 60
@@ -622,7 +624,7 @@ def _interrupt_when(
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate()  # (closes its pipes too)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -21,6 +21,7 @@ from click.testing import CliRunner, Result
 
 import bagstore
 from bagstore.cli import cli
+from tests import servers
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
@@ -317,6 +318,7 @@ def test_clean_follow_json_prints_a_line_per_pass_that_changed_something(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=servers.sigint_default,
     )
     try:
         assert process.stdout is not None
@@ -326,7 +328,7 @@ def test_clean_follow_json_prints_a_line_per_pass_that_changed_something(
     finally:
         if process.poll() is None:
             process.kill()
-            process.wait()
+            process.communicate()  # (closes its pipes too)
     counts = _strict(line)
     assert set(counts) == set(DOCUMENTED["clean"]) and counts["written"] == 20
     assert process.returncode == 130, err
