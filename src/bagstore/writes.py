@@ -415,18 +415,6 @@ class Writes:
                 within = together.within(backend, ids, None, before=lease)
             elif lease is not None:
                 within = lambda cur, old: lease()  # noqa: E731
-            if expect is None:
-                return backend.delete_entities(
-                    self.kind,
-                    ids,
-                    [b for _, b in part],
-                    read_old=read_old,
-                    versions=versions,
-                    stamps=stamps,
-                    record=record,
-                    within=within,
-                )
-            assert refused is not None and unwritten is not None
             found = backend.delete_entities(
                 self.kind,
                 ids,
@@ -435,12 +423,14 @@ class Writes:
                 versions=versions,
                 stamps=stamps,
                 record=record,
-                expect={i: expect[i] for i in ids if i in expect},
+                expect=None if expect is None else {i: expect[i] for i in ids if i in expect},
                 refused=refused,
                 within=within,
             )
-            if any(i in refused for i in ids):
-                unwritten.update(ids)
+            if expect is not None:
+                assert refused is not None and unwritten is not None
+                if any(i in refused for i in ids):
+                    unwritten.update(ids)
             return found
 
         found: dict[bytes, bytes | None] = {}
