@@ -85,13 +85,15 @@ class Colocated:
         skip: frozenset[bytes] = frozenset(),
         lookups: Mapping[bytes, int] | None = None,
         before: Callable[[], None] | None = None,
+        locked: frozenset[int] = frozenset(),
     ) -> Callable[[Any, dict[bytes, bytes | None]], None] | None:
         """The ``within`` of the transaction writing ``ids`` on ``backend``:
         ``new_rows`` their new index rows (None: a delete), ``skip`` ids whose
         old body is not in this transaction (moved from another shard),
         ``lookups`` the lookup rows ``{id: entity bucket}`` to write,
-        ``before`` run first (the cache's lease of a conditional write).
-        None when there is nothing to do there."""
+        ``before`` run first (the cache's lease of a conditional write),
+        ``locked`` the buckets whose ownership the transaction holds already
+        (:meth:`fence`).  None when there is nothing to do there."""
         if not self.plain and before is None and not (lookups and any(i in lookups for i in ids)):
             return None
 
@@ -131,9 +133,31 @@ class Colocated:
                             changes.append(Change(ch.index, delete, insert))
                             written |= delete | insert
                 self.inside[i] = written
-            Indexer.write_in(backend, cur, changes)
+            Indexer.write_in(backend, cur, changes, locked)
 
         return run
+
+    def fence(
+        self,
+        backend: Backend,
+        ids: Sequence[bytes],
+        new_rows: Mapping[bytes, Mapping[str, set[IndexRow]]],
+    ) -> frozenset[int]:
+        """The buckets of ``ids``' new index rows on ``backend`` (by this
+        process's placement): a transaction that checks and share-locks their
+        ownership with its entities' (``put_entities``' ``fence``) writes
+        those rows with no fence of their own."""
+        if not self.plain:
+            return frozenset()
+        topology = self.router.topology
+        shard_of, backends = topology.shard_of_bucket, topology.backends
+        return frozenset(
+            r.bucket
+            for i in ids
+            for index in self.plain
+            for r in new_rows[i].get(index.table, ())
+            if backends[shard_of[r.bucket]] is backend
+        )
 
     def rest(self, changes: Sequence[Change], entity_id: bytes) -> list[Change]:
         """``changes`` of one entity without the rows written in its transaction."""

@@ -25,7 +25,7 @@ A second owner gets ``DuplicateValue`` and nothing of it is stored.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -225,10 +225,14 @@ class Indexer:
         self._run([(ch.index, r, None) for ch in changes for r in ch.insert], "insert")
 
     @staticmethod
-    def write_in(backend: Backend, cur: Any, changes: Sequence[Change]) -> None:
+    def write_in(
+        backend: Backend, cur: Any, changes: Sequence[Change], locked: Set[int] = frozenset()
+    ) -> None:
         """Delete, then insert, the rows of ``changes`` (of indexes that are not
         unique) in the transaction of ``cur`` on ``backend``: an entity write's,
-        when the rows live on the entity's shard.  Fenced like :meth:`apply`."""
+        when the rows live on the entity's shard.  Fenced like :meth:`apply`,
+        except the inserts into ``locked`` buckets, whose ownership the
+        transaction holds already (share-locked by its locked read)."""
         per_index: dict[str, tuple[Index, list[IndexRow], list[IndexRow]]] = {}
         for ch in changes:  # one statement per index and chunk, not per entity
             entry = per_index.setdefault(ch.index.table, (ch.index, [], []))
@@ -240,10 +244,12 @@ class Indexer:
                     index.table, index.properties, delete, fenced=True, cur=cur
                 )
         for index, _, insert in per_index.values():
-            if insert:
-                backend.insert_index_rows(
-                    index.table, index.properties, insert, fenced=True, cur=cur
-                )
+            held = [r for r in insert if r.bucket in locked]
+            if held:
+                backend.insert_index_rows(index.table, index.properties, held, cur=cur, later=True)
+            if len(held) < len(insert):
+                rest = [r for r in insert if r.bucket not in locked]
+                backend.insert_index_rows(index.table, index.properties, rest, fenced=True, cur=cur)
 
     def _run(self, items: list[tuple[Index, IndexRow, int | None]], op: str) -> None:
         """Insert (fenced by bucket ownership; unique rows re-stamped) or delete

@@ -174,12 +174,14 @@ class Writes:
 
         def write(backend: Backend, part: list[EntityRow]) -> dict[bytes, bytes]:
             ids = [r.id for r in part]
+            fence = together.fence(backend, ids, new_rows)
             within = together.within(
                 backend,
                 ids,
                 new_rows,
                 skip=skip,
                 lookups=along,
+                locked=fence,
                 # a conditional put's cache lease: once its conditions held
                 before=None
                 if expect is None or not leases
@@ -193,6 +195,7 @@ class Writes:
                     versions=versions,
                     stamps=stamps,
                     within=within,
+                    fence=fence,
                 )
             old = backend.put_entities(
                 self.kind,
@@ -204,6 +207,7 @@ class Writes:
                 carried={i: carried[i] for i in ids if i in carried},
                 refused=refused,
                 within=within,
+                fence=fence,
             )
             if any(i in refused for i in ids):
                 unwritten.update(ids)

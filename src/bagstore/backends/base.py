@@ -34,6 +34,7 @@ from bagstore.backends.entities import (
     Within,
 )
 from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
+from bagstore.backends.pipeline import Pipeline, later
 from bagstore.errors import BackendError, BagstoreError, ConfigurationError, ShardUnavailable
 
 __all__ = [
@@ -363,17 +364,30 @@ class Backend(EntityOps, BucketOps, IndexOps):
         return error
 
     def _begin(self, cur: Any) -> None:
-        cur.execute(self.dialect.begin_write)
+        later(cur, self.dialect.begin_write)
+
+    def _write_cursor(self, conn: Any) -> Any:
+        """The cursor of a write transaction on ``conn`` (a :class:`Pipeline`
+        where the connection can send several statements at once)."""
+        return conn.cursor()
 
     @contextmanager
     def transaction(self, conn: Any) -> Iterator[Any]:
-        """A write transaction on ``conn``; yields a cursor; commits at the end."""
-        cur = conn.cursor()
+        """A write transaction on ``conn``; yields a cursor; commits at the end.
+        Statements run on it with :func:`bagstore.backends.pipeline.later`
+        may be sent only with the next one whose result is read, or the
+        commit."""
+        cur = self._write_cursor(conn)
         try:
             self._begin(cur)
             yield cur
-            conn.commit()
+            if isinstance(cur, Pipeline):
+                cur.commit()
+            else:
+                conn.commit()
         except BaseException:
+            if isinstance(cur, Pipeline):
+                cur.discard()
             self._rollback_quietly(conn)
             raise
         finally:

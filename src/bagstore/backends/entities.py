@@ -11,13 +11,14 @@ backfills and ``recent`` reads.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 from bagstore.backends.buckets import ownership_error
 from bagstore.backends.changesql import skip_sql
+from bagstore.backends.pipeline import later
 from bagstore.errors import ConfigurationError
 from bagstore.versions import clock, next_version
 
@@ -271,6 +272,7 @@ class EntityOps:
         carried: Mapping[bytes, int] | None = None,
         refused: dict[bytes, int] | None = None,
         within: Within | None = None,
+        fence: Collection[int] = (),
     ) -> dict[bytes, bytes]:
         """Upsert rows in one transaction; with ``read_old`` return the bodies
         they replaced (read in the same transaction, rows locked).
@@ -286,7 +288,10 @@ class EntityOps:
         ``refused`` (required with ``expect``) gets ``{id: version found}`` of
         the rows that failed and ``{}`` is returned.  ``within(cursor, old)``,
         if given, runs in the transaction after the upsert (``old``: ``{id:
-        replaced body or None}``, the bodies only with ``read_old``)."""
+        replaced body or None}``, the bodies only with ``read_old``);
+        ``fence``: more buckets whose ownership the transaction checks and
+        share-locks with its rows' (those of the rows ``within`` writes
+        without a fence of their own)."""
 
         one = rows[0] if len(rows) == 1 else None
         alone = one is not None and not (read_old or expect or carried or within)
@@ -306,7 +311,8 @@ class EntityOps:
             found: dict[bytes, int] = {}
             with self.transaction(conn) as cur:
                 ids = [r.id for r in rows]
-                for r in self._locked_read(cur, kind, [r.bucket for r in rows], ids, read_old):
+                buckets = [r.bucket for r in rows]
+                for r in self._locked_read(cur, kind, [*buckets, *fence], ids, read_old):
                     found[r[0]] = r[2]
                     if read_old:
                         old[r[0]] = r[1]
@@ -323,8 +329,8 @@ class EntityOps:
                 # The clock is read with the rows locked (bagstore.versions).
                 new = {r.id: next_version(found.get(r.id)) for r in rows}
                 for chunk in self._chunks(rows):
-                    cur.execute(
-                        self.sql("write_entities_sql", kind, len(chunk)), _flatten(chunk, new)
+                    later(
+                        cur, self.sql("write_entities_sql", kind, len(chunk)), _flatten(chunk, new)
                     )
                 if within is not None:
                     within(cur, {i: old.get(i) for i in ids})
@@ -457,11 +463,11 @@ class EntityOps:
                 for start in range(0, len(present), 1000):
                     part = present[start : start + 1000]
                     if not record:  # (change feed) marked unrecorded, see changesql
-                        cur.execute(skip_sql(self.dialect, len(part), insert=True),
-                                    [v for i in part for v in (kind, i)])  # fmt: skip
-                    cur.execute(self.sql("delete_entities_sql", kind, len(part)), part)
+                        later(cur, skip_sql(self.dialect, len(part), insert=True),
+                              [v for i in part for v in (kind, i)])  # fmt: skip
+                    later(cur, self.sql("delete_entities_sql", kind, len(part)), part)
                     if not record:
-                        cur.execute(skip_sql(self.dialect, len(part), insert=False), [kind, *part])
+                        later(cur, skip_sql(self.dialect, len(part), insert=False), [kind, *part])
                 if within is not None:
                     within(cur, found)
             if versions is not None:

@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from bagstore.backends.pipeline import later as send_later
 from bagstore.errors import DuplicateValue
 
 if TYPE_CHECKING:
@@ -343,12 +344,15 @@ class IndexOps:
         claimed: int | None = None,
         fenced: bool = False,
         cur: Any = None,
+        later: bool = False,
     ) -> int:
         """Insert rows, leaving existing ones alone; ``claimed`` (the time) for a
         unique index's rows.  With ``fenced``, only rows of buckets this shard
         owns are written, and StalePlacement / KeyMigrating is raised if any
         bucket is not owned.  ``cur``: run in that cursor's transaction (an
-        entity write's, see ``Backend.put_entities``)."""
+        entity write's, see ``Backend.put_entities``); with ``later`` (not
+        fenced), sent with that transaction's next statement
+        (:func:`bagstore.backends.pipeline.later`): 0 rows counted."""
         cols = (*columns, ENTITY_ID, BUCKET) + ((CLAIMED,) if claimed is not None else ())
         extra = (claimed,) if claimed is not None else ()
         written = 0
@@ -365,6 +369,9 @@ class IndexOps:
                 for r in chunk
                 for v in (*r.keys, r.entity_id, r.bucket, *extra, *((r.bucket,) if again else ()))
             ]
+            if later and cur is not None and not fenced:
+                send_later(cur, sql, params)
+                continue
             n = self._run_on(cur, sql, params)
             if fenced and n < len(chunk):  # duplicates, or buckets not owned here
                 self.check_owned([r.bucket for r in chunk])

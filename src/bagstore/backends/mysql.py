@@ -42,6 +42,7 @@ from typing import Any
 from bagstore.backends.base import Backend, check_identifier
 from bagstore.backends.gtid import Gtids, tracking_connection
 from bagstore.backends.mysqlsql import MySQLDialect
+from bagstore.backends.pipeline import MULTI_STATEMENTS, Pipeline
 from bagstore.backends.pool import Pool, in_long_statements
 from bagstore.errors import (
     BackendError,
@@ -372,11 +373,18 @@ class MySQLBackend(Backend):
                     args[key] = max(1, math.ceil(args[key]))
         if database is not None:
             args["database"] = database
+        flags = MULTI_STATEMENTS if self._switchable else 0  # PyMySQL: see _write_cursor
         if self._track:
             args["init_command"] += ", session_track_system_variables = 'last_gtid'"
             if self._tracking_class is not None:
-                args["client_flag"] = _SESSION_TRACK
+                flags |= _SESSION_TRACK
+        if flags:
+            args["client_flag"] = flags
         return args
+
+    def _write_cursor(self, conn: Any) -> Any:
+        # With PyMySQL, a write transaction is pipelined (bagstore.backends.pipeline).
+        return Pipeline(conn.cursor()) if self._switchable else conn.cursor()
 
     def _connect(self) -> Any:
         drv = self._driver

@@ -1,0 +1,98 @@
+"""Write transactions in fewer round trips: statements whose results nobody
+reads travel with the next statement that is read, and with the COMMIT.
+
+A put of one entity and its index row on MariaDB is five statements (BEGIN,
+the locked read, the upsert, the index row, COMMIT); sent one by one over
+the network each waits for its answer.  Only the locked read's answer is
+needed before the next statement can be written, so :class:`Pipeline` holds
+BEGIN back and sends it with the locked read, and holds the writes back and
+sends them with the COMMIT: two round trips.  (The server runs the
+statements of one packet in order and stops at the first that fails, whose
+error the driver raises; the transaction is then rolled back as before.)
+
+It needs the connection's ``CLIENT_MULTI_STATEMENTS`` capability; values
+stay bound parameters, quoted by the driver (``cursor.mogrify``) exactly as
+for a single statement.  A backend without it (SQLite, which has no round
+trips to save) uses a plain cursor, on which :func:`later` runs the
+statement at once.
+
+    >>> import sqlite3
+    >>> cur = sqlite3.connect(":memory:").cursor()
+    >>> later(cur, "CREATE TABLE t (x)")
+    >>> later(cur, "INSERT INTO t VALUES (?)", (1,))
+    >>> cur.execute("SELECT x FROM t").fetchall()
+    [(1,)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["MULTI_STATEMENTS", "Pipeline", "later"]
+
+#: The client capability flag of several statements in one query packet.
+MULTI_STATEMENTS = 1 << 16
+
+
+def later(cur: Any, sql: str, params: Sequence[Any] = ()) -> None:
+    """Run ``sql`` in ``cur``'s transaction, sent whenever the transaction
+    next needs an answer (at once on a plain cursor).  Only for statements
+    whose row count and rows nobody reads."""
+    defer = getattr(cur, "defer", None)
+    if defer is None:
+        cur.execute(sql, params)
+    else:
+        defer(sql, params)
+
+
+class Pipeline:
+    """A DB-API cursor of a write transaction that holds back deferred
+    statements (:meth:`defer`) until the next :meth:`execute` or
+    :meth:`commit`, then sends them all in one packet."""
+
+    def __init__(self, cur: Any) -> None:
+        self.cur = cur
+        self._held: list[str] = []
+
+    def defer(self, sql: str, params: Sequence[Any] = ()) -> None:
+        self._held.append(self.cur.mogrify(sql, params or None))
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Send the held statements and ``sql``; the cursor then holds ``sql``'s
+        result (rows, row count)."""
+        if not self._held:
+            return int(self.cur.execute(sql, params or None))
+        held = len(self._held)
+        text = "; ".join([*self._held, self.cur.mogrify(sql, params or None)])
+        self._held = []
+        self.cur.execute(text)
+        for _ in range(held):
+            self.cur.nextset()
+        return int(self.cur.rowcount)
+
+    def commit(self) -> None:
+        """Send the held statements and COMMIT in one packet."""
+        text = "; ".join([*self._held, "COMMIT"])
+        self._held = []
+        self.cur.execute(text)
+        while self.cur.nextset():
+            pass
+
+    def discard(self) -> None:
+        """Forget the held statements (the transaction is being rolled back)."""
+        self._held = []
+
+    @property
+    def rowcount(self) -> int:
+        return int(self.cur.rowcount)
+
+    def fetchone(self) -> Any:
+        return self.cur.fetchone()
+
+    def fetchall(self) -> Any:
+        return self.cur.fetchall()
+
+    def close(self) -> None:
+        self._held = []
+        self.cur.close()

@@ -1,0 +1,101 @@
+"""A write transaction sends the statements whose results it does not read
+with the next one it reads, and with its COMMIT (bagstore.backends.pipeline):
+a put of an entity and its index row on MariaDB is two round trips, and a
+held statement that fails takes the whole transaction with it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import bagstore
+from bagstore.backends.buckets import FROZEN
+from tests.conftest import DRIVER, Topology
+
+BY_USER = bagstore.Index(table="posts_by_user", properties=["user"])
+
+
+@pytest.fixture
+def one(topo: Topology) -> Iterator[bagstore.Datastore]:
+    """A one-shard store (every index row beside its entity)."""
+    ds = bagstore.Datastore(topo.urls[:1], kind="posts", indexes=[BY_USER], freeze_wait=0.3)
+    yield ds
+    ds.close()
+
+
+def _sent(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The query packets PyMySQL sends from now on (the real driver's, counted)."""
+    import pymysql.connections
+
+    sent: list[str] = []
+    real = pymysql.connections.Connection.query
+
+    def query(self: Any, sql: Any, unbuffered: bool = False) -> Any:
+        sent.append(sql.decode() if isinstance(sql, bytes) else sql)
+        return real(self, sql, unbuffered)
+
+    monkeypatch.setattr(pymysql.connections.Connection, "query", query)
+    return sent
+
+
+def test_a_put_and_its_index_row_go_in_two_round_trips(
+    topo: Topology, one: bagstore.Datastore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not topo.is_mysql or DRIVER:
+        pytest.skip("PyMySQL's write transactions are pipelined (SQLite has no round trips)")
+    one.put({"user": "first"})  # tables made, connection open
+    sent = _sent(monkeypatch)
+    eid = one.put({"user": "ann"})
+    monkeypatch.undo()
+    assert len(sent) == 2, sent
+    assert sent[0].startswith("BEGIN; ")  # with the locked read, whose rows are read
+    assert sent[1].count("INSERT INTO") == 2 and sent[1].endswith("; COMMIT")
+    assert [e["id"] for e in BY_USER.get_all(one, user="ann")] == [eid]
+    # an update that moves its index row: the old row's delete is read (fenced)
+    one.put({"id": eid, "user": "bob"})
+    assert BY_USER.get_all(one, user="ann") == []
+    assert [e["id"] for e in BY_USER.get_all(one, user="bob")] == [eid]
+    assert one.check()["indexes"]["posts_by_user"]["missing"] == 0
+
+
+def test_a_failing_held_statement_rolls_the_whole_put_back(one: bagstore.Datastore) -> None:
+    kept = one.put({"user": "ann", "n": 1})
+    # the index table goes behind bagstore's back: the index row's insert fails
+    one.router.backends[0].execute("DROP TABLE posts_by_user")
+    with pytest.raises(bagstore.BagstoreError):
+        one.put({"id": kept, "user": "carl", "n": 2})
+    fresh = bagstore.new_id()
+    with pytest.raises(bagstore.BagstoreError):
+        one.put({"id": fresh, "user": "bob"})
+    assert one.get(kept) == {"id": kept, "user": "ann", "n": 1}  # nothing of either put
+    assert one.get(fresh) is None
+    # the table back (empty): the same connection serves the next write
+    backend = one.router.backends[0]
+    for sql in backend.dialect.create_index_table_sql("posts_by_user", ["user"], False):
+        backend.execute(sql)
+    one.put({"id": kept, "user": "carl", "n": 2})
+    assert [e["n"] for e in BY_USER.get_all(one, user="carl")] == [2]
+
+
+def test_an_index_row_in_a_frozen_bucket_holds_the_put_back(one: bagstore.Datastore) -> None:
+    backend = one.router.backends[0]
+    buckets = one.router.topology.buckets
+    eid = bagstore.new_id()
+
+    def row_bucket_of(user: str) -> int:
+        (row,) = BY_USER.rows_for({"user": user}, eid, buckets)
+        return row.bucket
+
+    home = one.placer.entity_bucket({}, eid)
+    user = next(u for u in (f"user{k}" for k in range(1000)) if row_bucket_of(u) != home)
+    row_bucket = row_bucket_of(user)
+    one.put({"user": "warm"})
+    backend.execute(f"UPDATE bagstore_owned SET state = {FROZEN} WHERE bucket = {row_bucket}")
+    with pytest.raises(bagstore.KeyMigrating):
+        one.put({"id": eid, "user": user})
+    assert one.get(eid) is None  # the entity waits with its index row
+    backend.execute(f"UPDATE bagstore_owned SET state = 0 WHERE bucket = {row_bucket}")
+    one.put({"id": eid, "user": user})
+    assert [e["id"] for e in BY_USER.get_all(one, user=user)] == [eid]
