@@ -18,7 +18,11 @@ one more than the version before, and each of those writes committed before
 this one's clock was read), as long as the clocks of the machines writing it
 do not disagree by more than the time between the two writes (keep them
 synchronized with NTP; the same assumption as the unique claims', see
-docs/consistency.md).  Copies made by a bucket move or a key migration keep
+docs/consistency.md).  Where one statement does the whole write (a put of one
+entity with nothing else in its transaction), the clock is read by the
+statement itself once the row is locked: on SQLite this process's
+:func:`clock`, on MariaDB the server's (``SYSDATE(6)``), which NTP keeps
+with the others.  Copies made by a bucket move or a key migration keep
 their version.
 
     >>> from bagstore.versions import clock, next_version

@@ -94,11 +94,11 @@ class EntitySQL:
         raise NotImplementedError
 
     def put_one_sql(self, kind: str) -> str | None:
-        """One statement that upserts one entity ``(id, bucket, updated, body)``
-        if this shard owns its bucket (parameters: those, then the bucket) and
-        returns its new version, the clock read under the row's lock (see
-        :mod:`bagstore.versions`); None where no statement can (then a
-        transaction does it)."""
+        """One statement that upserts one entity (named parameters ``id,
+        bucket, updated, body``) if this shard owns its bucket and returns its
+        new version as a row, the clock read under the row's lock (see
+        :mod:`bagstore.versions`), or no row if the bucket is not owned here;
+        None where no statement can (then a transaction does it)."""
         return None
 
     def conditional_update_sql(self, kind: str, moves: bool) -> str:
@@ -350,7 +350,9 @@ class EntityOps:
         def work(conn: Any) -> Any:
             cur = conn.cursor()
             try:
-                cur.execute(sql, [row.id, row.bucket, row.updated, row.body, row.bucket])
+                cur.execute(
+                    sql, {"id": row.id, "bucket": row.bucket, "updated": row.updated, "body": row.body}
+                )
                 return cur.fetchone()
             finally:
                 cur.close()

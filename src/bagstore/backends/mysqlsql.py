@@ -154,6 +154,27 @@ class MySQLDialect(Dialect):
     def widen_version_sql(self, kind: str) -> list[str]:
         return [f"ALTER TABLE {self.q(kind)} MODIFY version BIGINT UNSIGNED NOT NULL DEFAULT 1"]
 
+    def put_one_sql(self, kind: str) -> str | None:
+        # MariaDB's compound statement: the ownership check, the row lock, the
+        # clock read under it (the server's: SYSDATE is the time it is
+        # evaluated, unlike NOW, the statement's start; the session's time
+        # zone is UTC, see INIT_COMMAND) and the upsert, in one round trip.
+        # A row `(version)` comes back only if the bucket is owned here.
+        t = self.q(kind)
+        return (
+            "BEGIN NOT ATOMIC DECLARE v BIGINT DEFAULT NULL; START TRANSACTION; "
+            "IF EXISTS (SELECT 1 FROM bagstore_owned WHERE bucket = %(bucket)s AND state = 0"
+            f"{self.share_lock}) THEN "
+            f"SELECT version INTO v FROM {t} WHERE id = %(id)s{self.for_update}; "
+            "SET v = GREATEST(IFNULL(v + 1, 0), "
+            "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED)); "
+            f"INSERT INTO {t} (id, bucket, updated, version, body) "
+            "VALUES (%(id)s, %(bucket)s, %(updated)s, v, %(body)s) "
+            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
+            "version = VALUES(version), body = VALUES(body); "
+            "COMMIT; SELECT v; ELSE COMMIT; END IF; END"
+        )
+
     def write_entities_sql(self, kind: str, rows: int) -> str:
         values = ", ".join(["(%s, %s, %s, %s, %s)"] * rows)
         return (

@@ -195,8 +195,8 @@ class SQLiteDialect(Dialect):
             return None
         return (
             f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) "
-            "SELECT ?, ?, ?, bagstore_clock(), ? FROM bagstore_owned "
-            "WHERE bucket = ? AND state = 0 "
+            "SELECT :id, :bucket, :updated, bagstore_clock(), :body FROM bagstore_owned "
+            "WHERE bucket = :bucket AND state = 0 "
             "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, updated = excluded.updated, "
             "version = MAX(version + 1, excluded.version), body = excluded.body RETURNING version"
         )
