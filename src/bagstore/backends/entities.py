@@ -351,7 +351,8 @@ class EntityOps:
             cur = conn.cursor()
             try:
                 cur.execute(
-                    sql, {"id": row.id, "bucket": row.bucket, "updated": row.updated, "body": row.body}
+                    sql,
+                    {"id": row.id, "bucket": row.bucket, "updated": row.updated, "body": row.body},
                 )
                 return cur.fetchone()
             finally:
