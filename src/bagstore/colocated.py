@@ -72,6 +72,10 @@ class Colocated:
         self.plain = [i for i in plain if not i.unique]
         #: ``{entity id: index rows written in its transaction}``
         self.inside: dict[bytes, set[IndexRow]] = {}
+        #: ``{entity id: its changes of the indexes written here}``, wherever
+        #: the rows live (the whole diff, computed from the body read in the
+        #: transaction, for the caller to reuse)
+        self.diffs: dict[bytes, list[Change]] = {}
         #: lookup rows written in a transaction, and those left for after
         self.recorded: dict[bytes, int] = {}
         self.late: dict[bytes, int] = {}
@@ -126,7 +130,8 @@ class Colocated:
                     body = old.get(i)
                     prev = codec.decode(body) if body is not None else None
                     new = new_rows[i] if new_rows is not None else {}
-                    for ch in Indexer.diff(self.plain, new, prev, i, buckets):
+                    diff = self.diffs[i] = Indexer.diff(self.plain, new, prev, i, buckets)
+                    for ch in diff:
                         delete = {r for r in ch.delete if here(r.bucket)}
                         insert = {r for r in ch.insert if here(r.bucket)}
                         if delete or insert:

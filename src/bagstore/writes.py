@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec, testing
@@ -165,7 +164,7 @@ class Writes:
         # Stamped after the claims: a claim newer than its owner's `updated`
         # marks a write still in flight (see Indexer._claim).
         now = time.time_ns() // 1000
-        rows = [replace(row, updated=now) for row, _ in last.values()]
+        rows = [EntityRow(row.id, row.bucket, now, row.body) for row, _ in last.values()]
         stamps: dict[bytes, int] = {}  # the `updated` of the rows replaced
         refused: dict[bytes, int] = {}  # conditional: {id: version found}
         unwritten: set[bytes] = set()  # conditional: the refused shards' ids
@@ -253,21 +252,25 @@ class Writes:
             made = {c.row: c.at for c in claimed}
             changes: list[Change] = []  # every row changed, for the cache
             rest: list[Change] = []  # those not written in the entity's transaction
+            # the diffs made in the transactions serve when no index is unique
+            known = together.diffs if together.plain == indexes else {}
             for entity_id in last:
                 if entity_id in unwritten:
                     continue
-                body = old_bodies.get(entity_id)
-                old = codec.decode(body) if body is not None else None
-                mine = Indexer.diff(
-                    indexes,
-                    new_rows[entity_id],
-                    old,
-                    entity_id,
-                    self.buckets,
-                    stamp=now,
-                    old_stamp=stamps.get(entity_id),
-                    made=made,
-                )
+                mine = known.get(entity_id)
+                if mine is None:
+                    body = old_bodies.get(entity_id)
+                    old = codec.decode(body) if body is not None else None
+                    mine = Indexer.diff(
+                        indexes,
+                        new_rows[entity_id],
+                        old,
+                        entity_id,
+                        self.buckets,
+                        stamp=now,
+                        old_stamp=stamps.get(entity_id),
+                        made=made,
+                    )
                 changes += mine
                 rest += together.rest(mine, entity_id)
             self.indexer.apply(rest, failpoint="put.after_index_delete")
@@ -295,7 +298,7 @@ class Writes:
         expected = expect.get(row.id, 0)
         if fresh or expected <= 0:
             return None
-        row = replace(row, updated=time.time_ns() // 1000)
+        row = EntityRow(row.id, row.bucket, time.time_ns() // 1000, row.body)
         versions: dict[bytes, int] = {}
         backend = self.router.topology.backend_of(row.bucket)
         testing.hit("put.before_entity")

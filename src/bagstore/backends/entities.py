@@ -136,16 +136,17 @@ class EntitySQL:
         return sql + self.for_update if lock else sql
 
     def locked_read_sql(self, kind: str, buckets: int, ids: int, bodies: bool = True) -> str:
-        """For a write transaction, one statement: the ownership rows of
-        ``buckets`` buckets, share-locked until the transaction ends, as
-        ``(bucket, state, NULL, NULL, NULL, NULL)``; then the rows of ``ids``
-        ids, locked for update, as ``(NULL, NULL, id, body, version, updated)``
-        (the body NULL unless ``bodies``)."""
+        """For a write transaction, one statement: how many of ``buckets``
+        buckets this shard owns and accepts writes in (their ownership rows
+        share-locked until the transaction ends), as ``(count, NULL, NULL,
+        NULL, NULL, NULL)``; then the rows of ``ids`` ids, locked for update,
+        as ``(NULL, NULL, id, body, version, updated)`` (the body NULL unless
+        ``bodies``)."""
         parts = []
         if buckets:
             parts.append(
-                "SELECT bucket, state, NULL, NULL, NULL, NULL FROM bagstore_owned "
-                f"WHERE bucket IN ({self.params(buckets)})" + self.share_lock
+                "SELECT COUNT(*), NULL, NULL, NULL, NULL, NULL FROM bagstore_owned "
+                f"WHERE bucket IN ({self.params(buckets)}) AND state = 0" + self.share_lock
             )
         if ids:
             parts.append(
@@ -403,7 +404,7 @@ class EntityOps:
         return them as ``(id, body, version, updated)`` (the body None unless
         ``bodies``).  One statement for up to 1,000 buckets and 1,000 ids."""
         wanted = sorted(set(buckets))
-        states: dict[int, int] = {}
+        owned = 0
         found: list[tuple[Any, ...]] = []
         for start in range(0, max(len(wanted), len(ids)), 1000):
             some = wanted[start : start + 1000]
@@ -413,12 +414,19 @@ class EntityOps:
             # int(): a UNION of NULL and an integer column may come back as
             # DECIMAL (MariaDB does so for INT UNSIGNED).
             for r in cur.fetchall():
-                if r[0] is not None:
-                    states[int(r[0])] = int(r[1])
+                if r[2] is None:
+                    owned += int(r[0])
                 else:
                     found.append((r[2], r[3], int(r[4]), int(r[5])))
-        error = ownership_error(self.name, wanted, states)
-        if error is not None:
+        if owned != len(wanted):  # which buckets, and why (in the same transaction)
+            sql = "SELECT bucket, state FROM bagstore_owned WHERE bucket IN ({})"
+            states: dict[int, int] = {}
+            for start in range(0, len(wanted), 1000):
+                some = wanted[start : start + 1000]
+                cur.execute(sql.format(self.dialect.params(len(some))), some)
+                states.update({int(b): int(st) for b, st in cur.fetchall()})
+            error = ownership_error(self.name, wanted, states)
+            assert error is not None, f"{owned} of {len(wanted)} buckets owned, states {states}"
             raise error
         return found
 
