@@ -40,12 +40,19 @@ import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
 
 from bagstore import codec
 from bagstore.backends import Backend, check_identifier
 from bagstore.backends import changesql as sql
-from bagstore.errors import ChangesLost, ChangesPruned, ConfigurationError, InvalidQuery
+from bagstore.errors import (
+    ChangesLost,
+    ChangesPruned,
+    ConfigurationError,
+    InvalidEntity,
+    InvalidQuery,
+)
 
 if TYPE_CHECKING:
     from bagstore.sharding.router import Router
@@ -60,20 +67,119 @@ MAX_LIMIT = 10_000
 _CURSOR_PREFIX = "c1."
 
 
-class Change(NamedTuple):
+class Change(tuple[Any, ...]):
     """One committed write: ``op`` ``"put"`` or ``"delete"``; ``version`` the
     entity's version after a put (a delete: the version it removed);
     ``updated`` µs since the epoch (UTC); ``entity`` the body after a put when
-    the kind records bodies, else None."""
+    the kind records bodies, else None; ``kind``, ``bucket`` and ``position``
+    where it sits in the feed.
 
-    id: bytes
-    op: str
-    version: int
-    updated: int
-    entity: dict[str, Any] | None
-    kind: str
-    bucket: int
-    position: int
+    Made by the feed, not by hand: an immutable tuple of the change row as
+    read (``bucket, position, id, op code, version, updated, encoded body,
+    kind``), so that a page costs little more than its rows.  ``entity`` is
+    decoded from the stored body each time it is read (a fresh dict: read it
+    once and keep it to use it twice); a body that cannot be decoded raises
+    :class:`bagstore.InvalidEntity` then, naming the change."""
+
+    __slots__ = ()
+
+    @property
+    def id(self) -> bytes:
+        return self[2]  # type: ignore[no-any-return]
+
+    @property
+    def op(self) -> str:
+        return _OPS[self[3]]
+
+    @property
+    def version(self) -> int:
+        return self[4]  # type: ignore[no-any-return]
+
+    @property
+    def updated(self) -> int:
+        return self[5]  # type: ignore[no-any-return]
+
+    @property
+    def entity(self) -> dict[str, Any] | None:
+        body = self[6]
+        if body is None:
+            return None
+        try:
+            return codec.decode(body)
+        except InvalidEntity as e:
+            raise InvalidEntity(
+                f"the body of change {self[1]} of bucket {self[0]} of kind {self[7]!r} "
+                f"(entity {self[2].hex()}) cannot be decoded: {e}"
+            ) from e
+
+    @property
+    def kind(self) -> str:
+        return self[7]  # type: ignore[no-any-return]
+
+    @property
+    def bucket(self) -> int:
+        return self[0]  # type: ignore[no-any-return]
+
+    @property
+    def position(self) -> int:
+        return self[1]  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        body = "None" if self[6] is None else f"<{len(self[6])} bytes>"
+        return (
+            f"Change(id={self[2]!r}, op={self.op!r}, version={self[4]}, updated={self[5]}, "
+            f"body={body}, kind={self[7]!r}, bucket={self[0]}, position={self[1]})"
+        )
+
+
+_OPS = {sql.PUT: "put", sql.DELETE: "delete"}
+#: ``Change`` from a row and its kind (``tuple.__new__``: no Python call a row)
+_new_change = tuple.__new__
+_AT, _UPDATED = itemgetter(0, 1), itemgetter(5)
+_MERGE_KEY = itemgetter(5, 0, 1)
+
+
+def _merge(
+    streams: dict[int, list[tuple[Any, ...]]], truncated: set[int], limit: int
+) -> list[tuple[Any, ...]]:
+    """The first ``limit`` rows of the buckets' ``streams`` (each in position
+    order) merged by time, each bucket's rows kept in their order: sorted by
+    the running maximum of ``updated`` along each bucket, then bucket and
+    position; stopping before any row that sorts after a ``truncated``
+    bucket's last row read (its next change, not read, may be older)."""
+    merged: list[tuple[Any, ...]] = []
+    stop: tuple[int, int, int] | None = None
+    monotone = True
+    for b in sorted(streams):
+        rows = streams[b]
+        if not rows:
+            continue
+        times = list(map(_UPDATED, rows))
+        high = max(times)
+        if monotone and times != sorted(times):
+            monotone = False
+        merged += rows
+        if b in truncated:
+            end = (high, b, rows[-1][1] + 1)
+            stop = end if stop is None or end < stop else stop
+    if monotone:
+        # the running maximum is `updated` itself; the rows are in (bucket,
+        # position) order and the sort is stable: sorting by `updated` alone
+        # sorts by (updated, bucket, position)
+        merged.sort(key=_UPDATED)
+        n = limit if stop is None else bisect.bisect_left(merged, stop, key=_MERGE_KEY)
+        return merged[: min(n, limit)]
+    keyed: list[tuple[int, int, int, tuple[Any, ...]]] = []
+    for b in sorted(streams):
+        high = 0
+        for r in streams[b]:
+            u = r[5]
+            if u > high:
+                high = u
+            keyed.append((high, b, r[1], r))
+    keyed.sort()
+    n = limit if stop is None else min(limit, bisect.bisect_left(keyed, stop))
+    return [k[3] for k in keyed[:n]]
 
 
 class ChangePage(list[Change]):
@@ -303,42 +409,12 @@ class Feed:
                 self._pruned(b, at, pruned, who)
             streams[b] = rows[:gapless]
             truncated.add(b)
-        # Merge by time, each bucket's rows in their order: sorted by the
-        # running maximum of `updated` along each bucket (never decreasing
-        # within a bucket), then bucket and position.
-        keyed: list[tuple[int, int, int, tuple[Any, ...]]] = []
-        stop: tuple[int, int, int] | None = None
-        for b, rows in streams.items():
-            high = 0
-            for r in rows:
-                u = r[5]
-                if u > high:
-                    high = u
-                keyed.append((high, b, r[1], r))
-            if rows and b in truncated:
-                # its next change may be older than the others' next: stop
-                # after its last row
-                end = (high, b, rows[-1][1] + 1)
-                stop = end if stop is None or end < stop else stop
-        keyed.sort()
-        n = limit if stop is None else min(limit, bisect.bisect_left(keyed, stop))
-        kind, decode, put = self.kind, codec.decode, sql.PUT
-        out = [
-            Change(
-                r[2],
-                "put" if r[3] == put else "delete",
-                r[4],
-                r[5],
-                decode(r[6]) if r[6] is not None else None,
-                kind,
-                b,
-                pos,
-            )
-            for _, b, pos, r in keyed[:n]
-        ]
+        taken = _merge(streams, truncated, limit)
+        tail = (self.kind,)
+        out = [_new_change(Change, r + tail) for r in taken]
         after = dict(positions)
-        for c in out:
-            after[c.bucket] = c.position
+        # each bucket's rows are in position order: its last one is kept
+        after.update(map(_AT, taken))
         if out and any(ends[b][0] > after.get(b, 0) for b in active):
             self._full_page = (key, ends)  # more is known to be there
         for b, rows in streams.items():  # what this page read and did not return
