@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python -m bench.changes [--backend sqlite|mysql|all] [--rounds N] [--seconds S]
-                            [--quick] [--format ...]
+                            [--only put|bucket|read|lag] [--quick] [--format ...]
 
 Metrics (each backend; four shards, 64 buckets):
 
@@ -289,12 +289,16 @@ def lag(backend: str, urls: list[str], seconds: float) -> Row:
 def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
     with fresh_shards(backend, SHARDS + 1, "bagbench_feed") as shards:
         urls = shards.urls[:SHARDS]
-        return [
-            *put_cost(backend, shards, args.rounds, args.seconds),
-            one_bucket(backend, urls, args.rounds, args.seconds),
-            read_speed(backend, shards, args.changes, args.rounds),
-            lag(backend, urls, args.lag_seconds),
-        ]
+        rows: list[Row] = []
+        if args.only in ("all", "put"):
+            rows += put_cost(backend, shards, args.rounds, args.seconds)
+        if args.only in ("all", "bucket"):
+            rows.append(one_bucket(backend, urls, args.rounds, args.seconds))
+        if args.only in ("all", "read"):
+            rows.append(read_speed(backend, shards, args.changes, args.rounds))
+        if args.only in ("all", "lag"):
+            rows.append(lag(backend, urls, args.lag_seconds))
+        return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": (float, 1.0, 0.1, "one round of puts"),
         "changes": (int, 20_000, 2000, "changes read"),
         "lag-seconds": (float, 10.0, 1.0, "seconds of following"),
+        "only": (["all", "put", "bucket", "read", "lag"], "all", "all", "the metrics to run"),
     }
     args = suite_args(argv, "the change feed beside the same puts without it, and raw SQL", options)
     title = f"bench.changes: the change feed ({SHARDS} shards), medians of {args.rounds} rounds"
