@@ -397,7 +397,7 @@ class Feed:
         except (ValueError, zlib.error):
             raise InvalidQuery("a damaged change feed cursor") from None
         self.check_epoch(int(epoch), "this cursor")
-        if any(b >= self.router.placement.buckets for b in positions):
+        if positions and max(positions) >= self.router.placement.buckets:
             raise InvalidQuery("a change feed cursor naming buckets this store lacks")
         return positions
 

@@ -8,7 +8,8 @@ import bisect
 import json
 import zlib
 from collections.abc import Iterable
-from operator import itemgetter
+from itertools import accumulate, compress, count, islice
+from operator import gt, itemgetter
 from typing import Any
 
 from bagstore import codec
@@ -121,36 +122,35 @@ def merge(
     the running maximum of ``updated`` along each bucket, then bucket and
     position; stopping before any row that sorts after a ``truncated``
     bucket's last row read (its next change, not read, may be older)."""
+    order = sorted(b for b, rows in streams.items() if rows)
     merged: list[tuple[Any, ...]] = []
-    stop: tuple[int, int, int] | None = None
-    monotone = True
-    for b in sorted(streams):
-        rows = streams[b]
-        if not rows:
-            continue
-        times = list(map(_UPDATED, rows))
-        high = max(times)
-        if monotone and times != sorted(times):
-            monotone = False
-        merged += rows
-        if b in truncated:
-            end = (high, b, rows[-1][1] + 1)
-            stop = end if stop is None or end < stop else stop
-    if monotone:
-        # the running maximum is `updated` itself; the rows are in (bucket,
-        # position) order and the sort is stable: sorting by `updated` alone
-        # sorts by (updated, bucket, position)
+    for b in order:
+        merged += streams[b]
+    # Where `updated` goes back from one row to the next (C loops: a page may
+    # hold a thousand buckets): only between two buckets, normally.
+    times = list(map(_UPDATED, merged))
+    back = compress(count(), map(gt, times, islice(times, 1, None)))
+    if all(merged[i][0] != merged[i + 1][0] for i in back):
+        # every bucket's times grow: the running maximum is `updated` itself,
+        # a bucket's last row its highest; the rows are in (bucket, position)
+        # order and the sort is stable: sorting by `updated` alone sorts by
+        # (updated, bucket, position)
+        ends = [(streams[b][-1][5], b, streams[b][-1][1] + 1) for b in order if b in truncated]
         merged.sort(key=_UPDATED)
-        n = limit if stop is None else bisect.bisect_left(merged, stop, key=_MERGE_KEY)
+        n = limit if not ends else bisect.bisect_left(merged, min(ends), key=_MERGE_KEY)
         return merged[: min(n, limit)]
     keyed: list[tuple[int, int, int, tuple[Any, ...]]] = []
-    for b in sorted(streams):
+    stop: tuple[int, int, int] | None = None
+    for b in order:
         high = 0
         for r in streams[b]:
             u = r[5]
             if u > high:
                 high = u
             keyed.append((high, b, r[1], r))
+        if b in truncated:  # its next change may be older than the others' next
+            end = (high, b, streams[b][-1][1] + 1)
+            stop = end if stop is None or end < stop else stop
     keyed.sort()
     n = limit if stop is None else min(limit, bisect.bisect_left(keyed, stop))
     return [k[3] for k in keyed[:n]]
@@ -180,13 +180,8 @@ def decode_positions(text: str) -> dict[int, int]:
     """The inverse of :func:`encode_positions` (ValueError if it is not one)."""
     raw = zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
     flat = json.loads(raw)
-    if not isinstance(flat, list) or len(flat) % 2 or not all(type(v) is int for v in flat):
+    if not isinstance(flat, list) or len(flat) % 2 or not set(map(type, flat)) <= {int}:
         raise ValueError("not a list of positions")
-    out: dict[int, int] = {}
-    bucket = 0
-    for i in range(0, len(flat), 2):
-        if flat[i] < 0 or flat[i + 1] < 0:
-            raise ValueError("negative position")
-        bucket += flat[i]
-        out[bucket] = flat[i + 1]
-    return out
+    if flat and min(flat) < 0:
+        raise ValueError("negative position")
+    return dict(zip(accumulate(flat[0::2]), flat[1::2], strict=True))
