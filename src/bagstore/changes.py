@@ -30,22 +30,27 @@ Guarantees: docs/changes.md.
 
 from __future__ import annotations
 
-import base64
-import bisect
 import hashlib
 import hmac
-import json
 import secrets
 import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from bagstore import codec
 from bagstore.backends import Backend, check_identifier
 from bagstore.backends import changesql as sql
 from bagstore.errors import ChangesLost, ChangesPruned, ConfigurationError, InvalidQuery
+from bagstore.feedpage import (
+    Change,
+    ChangePage,
+    decode_positions,
+    encode_positions,
+    merge,
+    page_changes,
+    positions_after,
+)
 
 if TYPE_CHECKING:
     from bagstore.sharding.router import Router
@@ -60,30 +65,6 @@ MAX_LIMIT = 10_000
 _CURSOR_PREFIX = "c1."
 
 
-class Change(NamedTuple):
-    """One committed write: ``op`` ``"put"`` or ``"delete"``; ``version`` the
-    entity's version after a put (a delete: the version it removed);
-    ``updated`` µs since the epoch (UTC); ``entity`` the body after a put when
-    the kind records bodies, else None."""
-
-    id: bytes
-    op: str
-    version: int
-    updated: int
-    entity: dict[str, Any] | None
-    kind: str
-    bucket: int
-    position: int
-
-
-class ChangePage(list[Change]):
-    """A page of changes; ``cursor`` reads the changes after it."""
-
-    def __init__(self, changes: Iterable[Change], cursor: str) -> None:
-        super().__init__(changes)
-        self.cursor = cursor
-
-
 @dataclass(frozen=True)
 class FeedSettings:
     """A kind's feed: bodies recorded or not; retention (``max_age`` seconds,
@@ -92,34 +73,6 @@ class FeedSettings:
     bodies: bool
     max_age: int
     max_changes: int
-
-
-def encode_positions(positions: dict[int, int]) -> str:
-    """Positions as compact text: bucket deltas and positions, JSON, zlib, base64."""
-    flat: list[int] = []
-    last = 0
-    for b in sorted(positions):
-        if positions[b] > 0:
-            flat += [b - last, positions[b]]
-            last = b
-    raw = zlib.compress(json.dumps(flat, separators=(",", ":")).encode(), 9)
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def decode_positions(text: str) -> dict[int, int]:
-    """The inverse of :func:`encode_positions` (ValueError if it is not one)."""
-    raw = zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
-    flat = json.loads(raw)
-    if not isinstance(flat, list) or len(flat) % 2 or not all(type(v) is int for v in flat):
-        raise ValueError("not a list of positions")
-    out: dict[int, int] = {}
-    bucket = 0
-    for i in range(0, len(flat), 2):
-        if flat[i] < 0 or flat[i + 1] < 0:
-            raise ValueError("negative position")
-        bucket += flat[i]
-        out[bucket] = flat[i + 1]
-    return out
 
 
 class Feed:
@@ -303,42 +256,9 @@ class Feed:
                 self._pruned(b, at, pruned, who)
             streams[b] = rows[:gapless]
             truncated.add(b)
-        # Merge by time, each bucket's rows in their order: sorted by the
-        # running maximum of `updated` along each bucket (never decreasing
-        # within a bucket), then bucket and position.
-        keyed: list[tuple[int, int, int, tuple[Any, ...]]] = []
-        stop: tuple[int, int, int] | None = None
-        for b, rows in streams.items():
-            high = 0
-            for r in rows:
-                u = r[5]
-                if u > high:
-                    high = u
-                keyed.append((high, b, r[1], r))
-            if rows and b in truncated:
-                # its next change may be older than the others' next: stop
-                # after its last row
-                end = (high, b, rows[-1][1] + 1)
-                stop = end if stop is None or end < stop else stop
-        keyed.sort()
-        n = limit if stop is None else min(limit, bisect.bisect_left(keyed, stop))
-        kind, decode, put = self.kind, codec.decode, sql.PUT
-        out = [
-            Change(
-                r[2],
-                "put" if r[3] == put else "delete",
-                r[4],
-                r[5],
-                decode(r[6]) if r[6] is not None else None,
-                kind,
-                b,
-                pos,
-            )
-            for _, b, pos, r in keyed[:n]
-        ]
-        after = dict(positions)
-        for c in out:
-            after[c.bucket] = c.position
+        taken = merge(streams, truncated, limit)
+        out = page_changes(taken, self.kind)
+        after = positions_after(positions, taken)
         if out and any(ends[b][0] > after.get(b, 0) for b in active):
             self._full_page = (key, ends)  # more is known to be there
         for b, rows in streams.items():  # what this page read and did not return
@@ -477,7 +397,7 @@ class Feed:
         except (ValueError, zlib.error):
             raise InvalidQuery("a damaged change feed cursor") from None
         self.check_epoch(int(epoch), "this cursor")
-        if any(b >= self.router.placement.buckets for b in positions):
+        if positions and max(positions) >= self.router.placement.buckets:
             raise InvalidQuery("a change feed cursor naming buckets this store lacks")
         return positions
 

@@ -37,8 +37,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bagstore.changes import Change, Feed, decode_positions, encode_positions
+from bagstore.changes import Feed
 from bagstore.errors import ConfigurationError, InvalidQuery
+from bagstore.feedpage import Change, decode_positions, encode_positions
 
 __all__ = ["Subscriber", "consumer_lags", "drop_consumer", "reset_consumer"]
 
