@@ -191,7 +191,7 @@ class Writes:
                     self.kind,
                     part,
                     read_old=bool(indexes),
-                    versions=versions,
+                    versions=versions if leases else None,  # (only the shared level's markers)
                     stamps=stamps,
                     within=within,
                     fence=fence,

@@ -27,12 +27,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENTITY_COLUMNS",
+    "NOT_OWNED",
     "EntityOps",
     "EntityRow",
     "EntitySQL",
     "Stored",
     "Within",
 ]
+
+#: The error text a statement signals when a bucket is not owned here (see
+#: ``EntitySQL.put_one_sql``).
+NOT_OWNED = "bagstore: bucket not owned here"
 
 #: The columns every entities table has (see ``Dialect.create_entities_sql``).
 ENTITY_COLUMNS = frozenset({"added_id", "id", "bucket", "updated", "version", "body"})
@@ -93,12 +98,14 @@ class EntitySQL:
         writes: see :mod:`bagstore.versions`)."""
         raise NotImplementedError
 
-    def put_one_sql(self, kind: str) -> str | None:
+    def put_one_sql(self, kind: str, returning: bool = True) -> str | None:
         """One statement that upserts one entity (named parameters ``id,
-        bucket, updated, body``) if this shard owns its bucket and returns its
-        new version as a row, the clock read under the row's lock (see
-        :mod:`bagstore.versions`), or no row if the bucket is not owned here;
-        None where no statement can (then a transaction does it)."""
+        bucket, updated, body``) if this shard owns its bucket, its version
+        from the clock read under the row's lock (see
+        :mod:`bagstore.versions`).  It returns the new version as a row (a
+        dialect may return no result without ``returning``); a bucket not
+        owned here gives no row, or the error :data:`NOT_OWNED`.  None where
+        no statement can (then a transaction does it)."""
         return None
 
     def conditional_update_sql(self, kind: str, moves: bool) -> str:
@@ -172,6 +179,7 @@ class EntityOps:
     # Provided by Backend:
     dialect: Dialect
     name: str
+    driver_errors: tuple[type[BaseException], ...]
     max_statement_bytes: int
     max_statement_rows: int
     _schema_lock: threading.Lock
@@ -344,18 +352,22 @@ class EntityOps:
     def _put_one(self, kind: str, row: EntityRow, versions: dict[bytes, int] | None) -> bool:
         """One entity in one statement, where the dialect has one; False if it
         has none (or the bucket came back to this shard meanwhile)."""
-        sql = self.sql("put_one_sql", kind)
+        sql = self.sql("put_one_sql", kind, versions is not None)
         if sql is None:
             return False
+
+        params = {"id": row.id, "bucket": row.bucket, "updated": row.updated, "body": row.body}
 
         def work(conn: Any) -> Any:
             cur = conn.cursor()
             try:
-                cur.execute(
-                    sql,
-                    {"id": row.id, "bucket": row.bucket, "updated": row.updated, "body": row.body},
-                )
-                return cur.fetchone()
+                try:
+                    cur.execute(sql, params)
+                except self.driver_errors as exc:
+                    if NOT_OWNED in str(exc):
+                        return None
+                    raise
+                return () if cur.description is None else cur.fetchone()
             finally:
                 cur.close()
 

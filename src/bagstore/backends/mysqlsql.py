@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from bagstore.backends.base import Dialect
+from bagstore.backends.entities import NOT_OWNED
 from bagstore.backends.seqsql import MySQLSequenceSQL, SequenceSQL
 
 __all__ = ["MySQLDialect"]
@@ -154,25 +155,29 @@ class MySQLDialect(Dialect):
     def widen_version_sql(self, kind: str) -> list[str]:
         return [f"ALTER TABLE {self.q(kind)} MODIFY version BIGINT UNSIGNED NOT NULL DEFAULT 1"]
 
-    def put_one_sql(self, kind: str) -> str | None:
+    def put_one_sql(self, kind: str, returning: bool = True) -> str | None:
         # MariaDB's compound statement: the ownership check, the row lock, the
         # clock read under it (the server's: SYSDATE is the time it is
         # evaluated, unlike NOW, the statement's start; the session's time
         # zone is UTC, see INIT_COMMAND) and the upsert, in one round trip.
-        # A row `(version)` comes back only if the bucket is owned here.
+        # The version comes back only if asked for (a result set costs the
+        # driver more than the rest of the statement's answer), and a bucket
+        # not owned here is signalled (NOT_OWNED).
         t = self.q(kind)
         return (
-            "BEGIN NOT ATOMIC DECLARE v BIGINT DEFAULT NULL; START TRANSACTION; "
-            "IF EXISTS (SELECT 1 FROM bagstore_owned WHERE bucket = %(bucket)s AND state = 0"
-            f"{self.share_lock}) THEN "
-            f"SELECT version INTO v FROM {t} WHERE id = %(id)s{self.for_update}; "
+            "BEGIN NOT ATOMIC DECLARE v BIGINT DEFAULT NULL; DECLARE st INT DEFAULT NULL; "
+            "START TRANSACTION; "
+            f"SELECT state INTO st FROM bagstore_owned WHERE bucket = %(bucket)s{self.share_lock}; "
+            f"IF st = 0 THEN SELECT version INTO v FROM {t} WHERE id = %(id)s{self.for_update}; "
             "SET v = GREATEST(IFNULL(v + 1, 0), "
             "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED)); "
             f"INSERT INTO {t} (id, bucket, updated, version, body) "
             "VALUES (%(id)s, %(bucket)s, %(updated)s, v, %(body)s) "
             "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
-            "version = VALUES(version), body = VALUES(body); "
-            "COMMIT; SELECT v; ELSE COMMIT; END IF; END"
+            "version = VALUES(version), body = VALUES(body); COMMIT; "
+            f"{'SELECT v; ' if returning else ''}"
+            f"ELSE ROLLBACK; SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = '{NOT_OWNED}'; "
+            "END IF; END"
         )
 
     def write_entities_sql(self, kind: str, rows: int) -> str:

@@ -187,7 +187,7 @@ class SQLiteDialect(Dialect):
             "updated = excluded.updated, version = excluded.version, body = excluded.body"
         )
 
-    def put_one_sql(self, kind: str) -> str | None:
+    def put_one_sql(self, kind: str, returning: bool = True) -> str | None:
         # The version's clock is read inside the statement, under the file's
         # write lock (taken before anything is evaluated): after every write
         # and delete of the id that came before (bagstore.versions).
