@@ -130,7 +130,7 @@ class Reads:
             # No cache level to consult and the id alone names the bucket:
             # one statement on one shard.
             topology = router.topology
-            body = topology.by_bucket[bucket_of(entity_id, topology.buckets)].get_body(
+            body = topology.backend_by_bucket[bucket_of(entity_id, topology.buckets)].get_body(
                 self.kind, entity_id
             )
             return None if body is None else decode(body)

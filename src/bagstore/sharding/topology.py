@@ -36,7 +36,7 @@ class Topology:
 
     ``sole_shard`` is the shard that holds every bucket, when one does (None
     when they are spread): reads then go there without hashing each id.
-    ``by_bucket`` is the backend of each bucket (:meth:`backend_of` as a
+    ``backend_by_bucket`` is the backend of each bucket (:meth:`backend_of` as a
     tuple; empty if the placement names a shard with no backend here): a
     point read's route is one index."""
 
@@ -45,7 +45,7 @@ class Topology:
     sole_shard: int | None = field(init=False)
     #: ``placement.buckets`` (a plain attribute: read on every point read)
     buckets: int = field(init=False, repr=False, compare=False)
-    by_bucket: tuple[Backend, ...] = field(init=False, repr=False, compare=False)
+    backend_by_bucket: tuple[Backend, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         shard_of = self.placement.shard_of_bucket
@@ -54,7 +54,7 @@ class Topology:
         object.__setattr__(self, "buckets", self.placement.buckets)
         n = len(self.backends)
         by_bucket = tuple(self.backends[k] for k in shard_of) if max(shard_of) < n else ()
-        object.__setattr__(self, "by_bucket", by_bucket)
+        object.__setattr__(self, "backend_by_bucket", by_bucket)
 
     @property
     def version(self) -> int:
