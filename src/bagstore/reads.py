@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,6 +27,7 @@ from bagstore import codec
 from bagstore.backends import Backend, Stored
 from bagstore.backends.base import TOGETHER_MAX_IDS, read_bodies_together
 from bagstore.cache.request import _current as _current_request
+from bagstore.codec import decode
 from bagstore.errors import BackendError
 from bagstore.query import Plan, _Stream, shard_scans
 from bagstore.sharding.hashing import bucket_of
@@ -43,6 +44,18 @@ T = TypeVar("T")
 
 #: ``read_from`` of the query running in this context (None: the datastore's).
 _read_from: ContextVar[str | None] = ContextVar("bagstore_read_from", default=None)
+
+
+@contextmanager
+def _reading(read_from: str) -> Iterator[None]:
+    token = _read_from.set(read_from)
+    try:
+        yield
+    finally:
+        _read_from.reset(token)
+
+
+_UNCHANGED: AbstractContextManager[None] = nullcontext()
 
 
 class Reads:
@@ -75,17 +88,13 @@ class Reads:
             return read_from
         return check_read_from(read_from)
 
-    @contextmanager
-    def reading(self, read_from: str | None) -> Iterator[None]:
-        """Within the block (this context), reads go where ``read_from`` says."""
+    def reading(self, read_from: str | None) -> AbstractContextManager[None]:
+        """Within the block (this context), reads go where ``read_from`` says
+        (None: nothing changes, and no generator is made for it: every query
+        passes here)."""
         if read_from is None:
-            yield
-            return
-        token = _read_from.set(check_read_from(read_from))
-        try:
-            yield
-        finally:
-            _read_from.reset(token)
+            return _UNCHANGED
+        return _reading(check_read_from(read_from))
 
     def on_replicas(self, run: Callable[[], T]) -> T:
         """``run()``, a query that may scan replicas (``read_from="replica"``);
@@ -121,9 +130,10 @@ class Reads:
             # No cache level to consult and the id alone names the bucket:
             # one statement on one shard.
             topology = router.topology
-            backend = topology.backend_of(bucket_of(entity_id, topology.buckets))
-            body = backend.get_body(self.kind, entity_id)
-            return None if body is None else codec.decode(body)
+            body = topology.backend_by_bucket[bucket_of(entity_id, topology.buckets)].get_body(
+                self.kind, entity_id
+            )
+            return None if body is None else decode(body)
         return self.cache.get(entity_id, self.fetch_many)
 
     def get_many(

@@ -238,6 +238,9 @@ class Backend(EntityOps, BucketOps, IndexOps):
         #: Index scans sent to this shard (tests count them to see routing).
         self.scans = 0
         self._sql_memo: dict[tuple[Any, ...], str] = {}
+        #: ``select_bodies_sql(kind, 1, stamps=False)`` by kind: a point read's
+        #: statement, found with one lookup (see ``get_body``)
+        self._point_sql: dict[str, str] = {}
 
     def sql(self, builder: str, *args: Any, **kwargs: Any) -> str:
         """``self.dialect.<builder>(*args, **kwargs)``, built once per process:

@@ -184,6 +184,7 @@ class EntityOps:
     max_statement_rows: int
     _schema_lock: threading.Lock
     _ready_kinds: set[str]
+    _point_sql: dict[str, str]
 
     # Provided by Backend and BucketOps; declared for the type checker only (a
     # stub defined here would hide BucketOps's at run time).
@@ -237,7 +238,9 @@ class EntityOps:
 
     def get_body(self, kind: str, entity_id: bytes) -> bytes | None:
         """One entity's encoded body on this shard, or None: one statement."""
-        sql = self.sql("select_bodies_sql", kind, 1, False, None, False)
+        sql = self._point_sql.get(kind)
+        if sql is None:
+            sql = self._point_sql[kind] = self.dialect.select_bodies_sql(kind, 1, stamps=False)
         row = self.run(_fetchone, sql, (entity_id,))
         return None if row is None else bytes(row[1])
 

@@ -35,16 +35,26 @@ class Topology:
     """One placement (version, bucket -> shard) and the backends of its shards.
 
     ``sole_shard`` is the shard that holds every bucket, when one does (None
-    when they are spread): reads then go there without hashing each id."""
+    when they are spread): reads then go there without hashing each id.
+    ``backend_by_bucket`` is the backend of each bucket (:meth:`backend_of` as a
+    tuple; empty if the placement names a shard with no backend here): a
+    point read's route is one index."""
 
     placement: Placement
     backends: tuple[Backend, ...]
     sole_shard: int | None = field(init=False)
+    #: ``placement.buckets`` (a plain attribute: read on every point read)
+    buckets: int = field(init=False, repr=False, compare=False)
+    backend_by_bucket: tuple[Backend, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         shard_of = self.placement.shard_of_bucket
         sole = shard_of[0] if shard_of.count(shard_of[0]) == len(shard_of) else None
         object.__setattr__(self, "sole_shard", sole)
+        object.__setattr__(self, "buckets", self.placement.buckets)
+        n = len(self.backends)
+        by_bucket = tuple(self.backends[k] for k in shard_of) if max(shard_of) < n else ()
+        object.__setattr__(self, "backend_by_bucket", by_bucket)
 
     @property
     def version(self) -> int:
@@ -53,10 +63,6 @@ class Topology:
     @property
     def shard_of_bucket(self) -> tuple[int, ...]:
         return self.placement.shard_of_bucket
-
-    @property
-    def buckets(self) -> int:
-        return self.placement.buckets
 
     def backend_of(self, bucket: int) -> Backend:
         """The backend of the shard that owns ``bucket``."""
