@@ -434,6 +434,8 @@ def run_driver(backend: str, driver: str, args: argparse.Namespace) -> list[Row]
             (f"scatter gte limit {LIMIT}, {SHARDS} shards", q4, raw.scatter, starts, 1, None),
             (f"scatter gte limit {LIMIT}, 1 shard", q1, raw.scatter, starts, 1, None),
         ]  # fmt: skip
+        if args.only == "puts":
+            table = [row for row in table if row[0].startswith("put")]
         works = [Work(name, b, r, inputs, units) for name, b, r, inputs, units, _ in table]
         goals = {name: goal for name, *_, goal in table if goal is not None}
         results += [compare(w, env.label, rounds=rounds, seconds=seconds) for w in works]
@@ -453,6 +455,8 @@ def run_driver(backend: str, driver: str, args: argparse.Namespace) -> list[Row]
         for r, row in zip(results, rows, strict=True):
             if r.note:  # the metric's name stays the same from run to run
                 row.goal += f"; {r.note.split(' (first')[0]}"
+        if args.only == "puts":
+            return rows
         # 4 shards against 1 shard, both bagstore, interleaved round by round
         head = compare(
             Work("4 vs 1 shard", q4, q1, starts), env.label, rounds=rounds, seconds=seconds
@@ -470,7 +474,11 @@ def run_driver(backend: str, driver: str, args: argparse.Namespace) -> list[Row]
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m bench.indexes`` and ``bagstore bench``."""
-    args = suite_args(argv, "bagstore secondary indexes beside raw DB-API", OPTIONS)
+    options = {
+        **OPTIONS,
+        "only": (["all", "puts"], "all", "all", "every metric, or the puts' alone"),
+    }
+    args = suite_args(argv, "bagstore secondary indexes beside raw DB-API", options)
     title = (
         f"bench.indexes: bagstore vs raw DB-API (one database; puts: ONE transaction each), "
         f"rates in entities/s, medians of {args.rounds} rounds"

@@ -278,7 +278,8 @@ def test_a_deadlock_victim_runs_again_after_a_pause(
     mysql_main: servers.MySQLAddress, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Two transactions that lock two rows in opposite orders: MariaDB kills
-    one (1213); it runs again, after a random pause, and both commit."""
+    one (1213); it runs again, after a random pause, on a connection of the
+    pool (its own is kept, not replaced), and both commit."""
     database = servers.unique_name("deadlock")
     url = f"mysql://root@{mysql_main.host}:{mysql_main.port}/{database}{DRIVER}"
     backend = open_backend(url)
@@ -287,10 +288,12 @@ def test_a_deadlock_victim_runs_again_after_a_pause(
         backend.execute("INSERT INTO t VALUES (1, 0), (2, 0)")
         both = threading.Barrier(2)
         calls: list[int] = []
+        sessions: list[int] = []
 
         def locking(first: int, second: int) -> Any:
             def work(conn: Any) -> None:
                 calls.append(first)
+                sessions.append(conn.thread_id())
                 with backend.transaction(conn) as cur:
                     cur.execute("UPDATE t SET n = n + 1 WHERE id = %s", (first,))
                     if len(calls) <= 2:  # the first attempts meet each other
@@ -308,6 +311,9 @@ def test_a_deadlock_victim_runs_again_after_a_pause(
                 t.join(timeout=30)
         assert backend.fetchall("SELECT id, n FROM t ORDER BY id") == [(1, 2), (2, 2)]
         assert len(calls) == 3  # one victim, run once more
+        # the victim's connection was kept (rolled back), not closed and replaced
+        open_now = {int(r[0]) for r in backend.fetchall("SHOW PROCESSLIST")}
+        assert set(sessions[:2]) <= open_now
         assert any("Deadlock" in r.getMessage() and "trying again" in r.getMessage()
                    for r in caplog.records)  # fmt: skip
     finally:

@@ -15,6 +15,7 @@ bagstore error tree in exactly one place, :func:`translate_errors`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import threading
@@ -275,7 +276,21 @@ class Backend(EntityOps, BucketOps, IndexOps):
 
     def is_retryable(self, exc: BaseException) -> bool:
         """True if a statement failing with ``exc`` may simply be run again
-        on a fresh connection (lost connection, deadlock victim)."""
+        (lost connection, deadlock victim)."""
+        return False
+
+    #: How many times a deadlock victim is run in all, whatever ``attempts``
+    #: a caller gives :meth:`run` (a busy table's writers meet often; each
+    #: try after a longer random pause, see :meth:`retry_pause`).
+    deadlock_tries = 12
+
+    def _tries(self, exc: BaseException, attempts: int) -> int:
+        return max(attempts, self.deadlock_tries) if self.connection_survives(exc) else attempts
+
+    def connection_survives(self, exc: BaseException) -> bool:
+        """True if a connection on which a retryable ``exc`` happened is
+        still sound once rolled back (a deadlock victim's), so that it goes
+        back to the pool instead of being replaced by a new one."""
         return False
 
     def close(self) -> None:
@@ -309,7 +324,8 @@ class Backend(EntityOps, BucketOps, IndexOps):
         return 0.0
 
     def run(self, work: Callable[..., T], *args: Any, attempts: int = 5) -> T:
-        """Run ``work(connection, *args)``; retry on a fresh connection when the failure
+        """Run ``work(connection, *args)``; retry (on a fresh connection unless
+        the old one survived, see :meth:`connection_survives`) when the failure
         was a dropped connection or a deadlock (``work`` must be idempotent,
         which every bagstore unit of work is: a transaction that did not
         commit, or a read).
@@ -318,7 +334,7 @@ class Backend(EntityOps, BucketOps, IndexOps):
         managers: this is every statement's path, and a point read on SQLite
         costs only a few microseconds in all.
         """
-        for attempt in range(1, attempts + 1):
+        for attempt in itertools.count(1):
             try:
                 conn = self._acquire()
             except BagstoreError:
@@ -331,13 +347,13 @@ class Backend(EntityOps, BucketOps, IndexOps):
                 error = self._settle(conn, exc)
                 cause = error.__cause__
                 if (
-                    attempt < attempts
-                    and isinstance(error, BackendError)
+                    isinstance(error, BackendError)
                     and cause is not None
                     and self.is_retryable(cause)
+                    and attempt < self._tries(cause, attempts)
                 ):
                     pause = self.retry_pause(cause, attempt)
-                    log.info("%s; trying again on a new connection in %.3f s", error, pause)
+                    log.info("%s; trying again in %.3f s", error, pause)
                     if pause:
                         time.sleep(pause)
                     continue
@@ -356,7 +372,9 @@ class Backend(EntityOps, BucketOps, IndexOps):
         if isinstance(exc, self.driver_errors) and not isinstance(exc, BagstoreError):
             error = self.translated(exc)
         cause = error.__cause__ if isinstance(error, BackendError) else error
-        if isinstance(error, ShardUnavailable) or (cause is not None and self.is_retryable(cause)):
+        if isinstance(error, ShardUnavailable) or (
+            cause is not None and self.is_retryable(cause) and not self.connection_survives(cause)
+        ):
             self._discard(conn)
             return error
         try:

@@ -547,8 +547,11 @@ class MySQLBackend(Backend):
         # A deadlock victim that tries again at once meets the same writers
         # in the same order: a random pause, doubling, spreads them out.
         if self._code(exc) in _DEADLOCK:
-            return random.uniform(0.0, 0.004 * 2**attempt)
+            return random.uniform(0.0, min(0.004 * 2**attempt, 0.25))
         return 0.0
+
+    def connection_survives(self, exc: BaseException) -> bool:
+        return self._code(exc) in _DEADLOCK  # InnoDB rolled the victim back; the session is fine
 
     def is_retryable(self, exc: BaseException) -> bool:
         code = self._code(exc)
