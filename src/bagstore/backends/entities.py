@@ -196,6 +196,8 @@ class EntityOps:
 
         def transaction(self, conn: Any) -> AbstractContextManager[Any]: ...
 
+        def writing(self) -> AbstractContextManager[Any]: ...
+
         def execute(self, sql: str, params: Sequence[Any] = ()) -> int: ...
 
         def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
@@ -374,7 +376,8 @@ class EntityOps:
             finally:
                 cur.close()
 
-        found = self.run(work)
+        with self.writing():
+            found = self.run(work)
         if found is None:  # the bucket is not owned here (or is frozen)
             self.check_owned([row.bucket])
             return False
@@ -400,7 +403,9 @@ class EntityOps:
         params = [row.updated, new, row.body, row.id, expected, row.bucket]
         if moves:
             params.insert(0, row.bucket)
-        if self.execute(self.sql("conditional_update_sql", kind, moves), params) != 1:
+        with self.writing():
+            n = self.execute(self.sql("conditional_update_sql", kind, moves), params)
+        if n != 1:
             return False
         if versions is not None:
             versions[row.id] = new

@@ -8,6 +8,10 @@ busy handler: that one sleeps 1, 2, 5, 10 ms... between tries, so a writer that
 finds the lock held for a fraction of a millisecond waited at least 1 ms and
 often 8 or 18.  Here a unit of work refused with ``SQLITE_BUSY`` is run again
 after 50 µs, doubling up to 0.5 ms, until ``busy_timeout`` seconds have passed.
+Writers of one process first queue on a lock of their own per file
+(:meth:`SQLiteBackend.writing`), waiting with the GIL released: eight threads
+polling the file's lock slowed the one that held it (8 writers of one process:
+0.46x raw SQL's 8 threads before, 0.62x after).
 
 An index scan joined with every shard's entity table (a query that scans one
 shard, see ``Datastore.scan_streams``) goes through one more connection per
@@ -238,6 +242,7 @@ class SQLiteBackend(Backend):
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        self._writers = threading.RLock()  # see writing()
         if path != ":memory:":
             # Files of one process can be read together (see the module's text),
             # each under a name derived from its path.
@@ -405,6 +410,12 @@ class SQLiteBackend(Backend):
         commit crosses ``wal_autocheckpoint`` pages: left alone, a live writer's
         commit pays for copying the bulk pages into the database and its fsync."""
         self._read("PRAGMA wal_checkpoint(PASSIVE)", (), one=True)
+
+    def writing(self) -> threading.RLock:
+        # One writer at a time per file: this process's writers wait on a lock
+        # (the GIL released) instead of polling SQLITE_BUSY alongside the one
+        # that writes; other processes' writers still meet in run().
+        return self._writers
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
