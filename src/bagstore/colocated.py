@@ -76,6 +76,9 @@ class Colocated:
         #: the rows live (the whole diff, computed from the body read in the
         #: transaction, for the caller to reuse)
         self.diffs: dict[bytes, list[Change]] = {}
+        #: ids whose every change of those indexes was written in its
+        #: transaction (a one-shard store's)
+        self.whole: set[bytes] = set()
         #: lookup rows written in a transaction, and those left for after
         self.recorded: dict[bytes, int] = {}
         self.late: dict[bytes, int] = {}
@@ -124,13 +127,20 @@ class Colocated:
                 return
             changes: list[Change] = []
             buckets = topology.buckets
+            alone = all(b is backend for b in backends)  # one shard: every row is here
             for i in ids:
                 written: set[IndexRow] = set()
+                self.whole.discard(i)
                 if i not in skip:
                     body = old.get(i)
                     prev = codec.decode(body) if body is not None else None
                     new = new_rows[i] if new_rows is not None else {}
                     diff = self.diffs[i] = Indexer.diff(self.plain, new, prev, i, buckets)
+                    if alone:
+                        changes += diff
+                        self.whole.add(i)
+                        self.inside[i] = {r for ch in diff for r in (*ch.delete, *ch.insert)}
+                        continue
                     for ch in diff:
                         delete = {r for r in ch.delete if here(r.bucket)}
                         insert = {r for r in ch.insert if here(r.bucket)}
@@ -166,6 +176,8 @@ class Colocated:
 
     def rest(self, changes: Sequence[Change], entity_id: bytes) -> list[Change]:
         """``changes`` of one entity without the rows written in its transaction."""
+        if entity_id in self.whole and all(not ch.index.unique for ch in changes):
+            return []
         done = self.inside.get(entity_id)
         if not done:
             return list(changes)
