@@ -186,19 +186,28 @@ def test_backfill_does_not_chase_entities_added_while_it_runs(topo: Topology) ->
     added = [0]
 
     def insert() -> None:  # new entities: the writer indexes them itself
-        deadline = time.monotonic() + 5  # a backfill that chases them ends too
+        deadline = time.monotonic() + 30  # a backfill that chases them ends too
         while not stop.is_set() and time.monotonic() < deadline:
             ds.put({"link": f"new{added[0]}"})
             added[0] += 1
 
+    def hold_the_start(done: int, total: int) -> None:
+        # Called once the backfill has read where each shard ends, before it
+        # reads any entity: the writer adds its hundred first, however slowly
+        # its puts go on a busy machine (a fixed ~1 s scan left it 96 once).
+        while not held and added[0] - before < 100 and t.is_alive():
+            time.sleep(0.01)
+        held.append(True)
+
+    held: list[bool] = []
     t = threading.Thread(target=insert)
     t.start()
     try:
         time.sleep(0.05)
         before = added[0]
-        # Slowed to ~1 s so that the writer adds hundreds meanwhile.
+        # Slowed to ~1 s so that the writer adds hundreds meanwhile, too.
         cleaner = bagstore.Cleaner(ds, batch=10, duty=0, settle=0, max_rate=400)
-        stats = cleaner.backfill("index_link")
+        stats = cleaner.backfill("index_link", progress=hold_the_start)
         after = added[0]
     finally:
         stop.set()
