@@ -85,6 +85,8 @@ class Feed:
         #: the reading sessions of the last pages read, by the buckets read
         self._sessions: dict[frozenset[int] | None, feedread.Session] = {}
         self._others: dict[str, Feed] = {}  # other kinds' feeds (see other())
+        #: the last cursor made: (cursor, its positions, its epoch)
+        self._issued: tuple[str, dict[int, int], int] | None = None
 
     # -- settings ------------------------------------------------------------------
     def settings(self) -> FeedSettings | None:
@@ -293,14 +295,31 @@ class Feed:
 
     def cursor(self, positions: dict[int, int]) -> str:
         """An opaque, signed cursor holding ``positions`` (and the epoch)."""
-        body = f"{self.router.placement.version}.{self.epoch()}.{encode_positions(positions)}"
-        return f"{_CURSOR_PREFIX}{body}.{self._mac(body)}"
+        epoch = self.epoch()
+        body = f"{self.router.placement.version}.{epoch}.{encode_positions(positions)}"
+        cursor = f"{_CURSOR_PREFIX}{body}.{self._mac(body)}"
+        if min(positions.values(), default=1) > 0:  # what decoding it gives back
+            self._issued = (cursor, dict(positions), epoch)
+        return cursor
 
     def positions_of(self, cursor: object) -> dict[int, int]:
         """The positions a cursor of this store and kind holds (InvalidQuery if
         it is not one)."""
         if cursor is None:
             return {}
+        issued = self._issued
+        if issued is not None and cursor == issued[0]:
+            # the last cursor made here (the next page's): known, not decoded
+            positions, epoch = dict(issued[1]), issued[2]
+        else:
+            positions, epoch = self._decode(cursor)
+        self.check_epoch(epoch, "this cursor")
+        if positions and max(positions) >= self.router.placement.buckets:
+            raise InvalidQuery("a change feed cursor naming buckets this store lacks")
+        return positions
+
+    def _decode(self, cursor: object) -> tuple[dict[int, int], int]:
+        """A cursor's positions and epoch, its signature checked."""
         if not isinstance(cursor, str) or not cursor.startswith(_CURSOR_PREFIX):
             raise InvalidQuery(f"not a change feed cursor: {str(cursor)[:40]!r}")
         body, _, mac = cursor[len(_CURSOR_PREFIX) :].rpartition(".")
@@ -311,13 +330,9 @@ class Feed:
             )
         try:
             _, epoch, text = body.split(".", 2)
-            positions = decode_positions(text)
+            return decode_positions(text), int(epoch)
         except (ValueError, zlib.error):
             raise InvalidQuery("a damaged change feed cursor") from None
-        self.check_epoch(int(epoch), "this cursor")
-        if positions and max(positions) >= self.router.placement.buckets:
-            raise InvalidQuery("a change feed cursor naming buckets this store lacks")
-        return positions
 
     def changes(self, since: str | None = None, limit: int = 1000) -> ChangePage:
         """The changes after the cursor ``since`` (from the oldest kept when

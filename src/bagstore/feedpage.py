@@ -8,8 +8,8 @@ import bisect
 import json
 import zlib
 from collections.abc import Iterable
-from itertools import accumulate, compress, count, islice
-from operator import gt, itemgetter
+from itertools import accumulate, chain, compress, count, islice, repeat
+from operator import gt, itemgetter, sub
 from typing import Any
 
 from bagstore import codec
@@ -165,14 +165,13 @@ class ChangePage(list[Change]):
 
 
 def encode_positions(positions: dict[int, int]) -> str:
-    """Positions as compact text: bucket deltas and positions, JSON, zlib, base64."""
-    flat: list[int] = []
-    last = 0
-    for b in sorted(positions):
-        if positions[b] > 0:
-            flat += [b - last, positions[b]]
-            last = b
-    raw = zlib.compress(json.dumps(flat, separators=(",", ":")).encode(), 9)
+    """Positions as compact text: bucket deltas and positions, JSON, zlib, base64
+    (C loops only: a cursor of 1,024 buckets is made at every page)."""
+    buckets = sorted(compress(positions, map(gt, positions.values(), repeat(0))))
+    flat = [0] * (2 * len(buckets))
+    flat[0::2] = map(sub, buckets, chain((0,), buckets))
+    flat[1::2] = map(positions.__getitem__, buckets)
+    raw = zlib.compress(json.dumps(flat, separators=(",", ":")).encode(), 1)
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 

@@ -115,7 +115,7 @@ def next_rows(
         s.blocked = []
         _refresh(s, holders, pruned)
     active = max(1, len(s.blocked))
-    chunk = min(limit, max(4, -(-2 * limit // active)))
+    chunk = min(limit, max(8, -(-2 * limit // active)))
     stuck: set[int] = set()  # buckets that read nothing twice in this call
     tried: set[int] = set()
     pending, blocked = s.pending, s.blocked
