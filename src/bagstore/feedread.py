@@ -32,7 +32,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate, compress, count, islice, repeat
-from operator import add, ge, gt, itemgetter, lshift
+from operator import add, ge, gt, itemgetter, lshift, lt, ne, sub
 from typing import Any
 
 __all__ = ["Session", "next_rows"]
@@ -40,6 +40,7 @@ __all__ = ["Session", "next_rows"]
 _UPDATED, _BUCKET, _POS = itemgetter(5), itemgetter(0), itemgetter(1)
 _AT = itemgetter(0, 1)
 _ROW = itemgetter(1)
+_HI, _HIGH, _TOP = itemgetter(2), itemgetter(1), itemgetter(0)
 _72, _48 = repeat(72), repeat(48)
 _BUCKETS, _POSITIONS = (1 << 24) - 1, (1 << 48) - 1
 #: ``holders(buckets or None)``: ``{bucket: (last position, last pruned, shard)}``.
@@ -171,17 +172,18 @@ def _fill(s: Session, picked: list[int], chunk: int, read: Reader) -> list[int]:
     rows = read(by_shard)
     bs = list(map(_BUCKET, rows))
     ps = list(map(_POS, rows))
-    if any(map(gt, bs, islice(bs, 1, None))) or any(
-        bs[i - 1] == bs[i] for i in compress(count(1), map(ge, ps, islice(ps, 1, None)))
-    ):  # not in (bucket, position) order, as drivers normally return them
+    if any(map(gt, bs, islice(bs, 1, None))) or not _steps(ps, ge).issubset(_steps(bs, ne)):
+        # not in (bucket, position) order, as drivers normally return them
         rows.sort(key=_AT)
         bs = list(map(_BUCKET, rows))
         ps = list(map(_POS, rows))
     times = list(map(_UPDATED, rows))
     # Where `updated` goes back from one row to the next (C loops): normally
     # only from one bucket to the next; then each row's key is its own time.
-    back = set(compress(count(1), map(gt, times, islice(times, 1, None))))
+    back = _steps(times, gt)
     complete = len(rows) == sum(hi - lo + 1 for _, lo, hi in asked)
+    if complete and _fill_fast(s, asked, rows, bs, ps, times, back):
+        return []
     short: list[int] = []
     spans: list[tuple[int, int, int, int]] = []  # (bucket, first row, end, high before)
     blocked, at = s.blocked, 0
@@ -221,6 +223,48 @@ def _fill(s: Session, picked: list[int], chunk: int, read: Reader) -> list[int]:
     s.pending += keyed
     s.pending.sort()  # two sorted runs: one merge
     return short
+
+
+def _steps(values: list[int], op: Callable[[int, int], bool]) -> set[int]:
+    """The indexes ``i`` where ``op(values[i - 1], values[i])`` (C loops)."""
+    return set(compress(count(1), map(op, values, islice(values, 1, None))))
+
+
+def _fill_fast(
+    s: Session,
+    asked: list[tuple[int, int, int]],
+    rows: list[tuple[Any, ...]],
+    bs: list[int],
+    ps: list[int],
+    times: list[int],
+    back: set[int],
+) -> bool:
+    """:func:`_fill`'s work in C loops when every row asked came (``rows`` in
+    (bucket, position) order) and each bucket's times grow from where it was
+    read to (the normal case); False, and nothing done, otherwise."""
+    buckets = list(map(_BUCKET, asked))
+    his = list(map(_HI, asked))
+    lasts = list(accumulate(map(sub, his, map(_POS, asked)), lambda a, n: a + n + 1, initial=-1))
+    del lasts[0]
+    firsts = [0, *map(add, lasts[:-1], repeat(1))]
+    highs = list(map(_HIGH, map(s.read_to.__getitem__, buckets)))
+    if not back.issubset(firsts) or any(map(lt, map(times.__getitem__, firsts), highs)):
+        return False
+    new_highs = list(map(times.__getitem__, lasts))
+    s.read_to.update(zip(buckets, zip(his, new_highs, strict=True), strict=True))
+    tops = map(_TOP, map(s.ends.__getitem__, buckets))
+    more = list(map(lt, his, tops))
+    s.blocked += _keys(
+        list(compress(new_highs, more)),
+        list(compress(buckets, more)),
+        list(map(add, compress(his, more), repeat(1))),
+    )
+    heapq.heapify(s.blocked)
+    keyed = list(zip(_keys(times, bs, ps), rows, strict=True))
+    keyed.sort()
+    s.pending += keyed
+    s.pending.sort()  # two sorted runs: one merge
+    return True
 
 
 def _keys(highs: list[int], buckets: list[int], positions: list[int]) -> list[int]:
