@@ -194,8 +194,9 @@ class Feed:
         def pruned(bucket: int, at: int, low: int) -> None:
             self._pruned(bucket, at, low, who)
 
-        if session is None or not session.goes_on(positions, key):
-            session = feedread.start(key, positions, oldest, holders, pruned)
+        epoch = self.epoch()
+        if session is None or not session.goes_on(positions, key, oldest, epoch):
+            session = feedread.start(key, positions, oldest, epoch, holders, pruned)
         rows = feedread.next_rows(session, limit, holders, self._read_ranges, pruned)
         if len(self._sessions) >= _SESSIONS:
             self._sessions.pop(next(iter(self._sessions)))

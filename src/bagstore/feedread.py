@@ -57,6 +57,9 @@ class Session:
 
     buckets: frozenset[int] | None
     oldest: bool
+    #: the feed's epoch when it started (rows read before a failover that
+    #: started a new one may be lost writes)
+    epoch: int
     #: positions after the last page returned (the cursor that goes on)
     after: dict[int, int]
     #: of each bucket known: (last position, last pruned, shard), as read
@@ -68,21 +71,30 @@ class Session:
     #: buckets read short of their last position: the least key of the next row
     blocked: list[int] = field(default_factory=list)
 
-    def goes_on(self, positions: dict[int, int], buckets: frozenset[int] | None) -> bool:
-        """Whether ``positions`` are where this session's last page ended."""
-        return self.buckets == buckets and positions == self.after
+    def goes_on(
+        self, positions: dict[int, int], buckets: frozenset[int] | None, oldest: bool, epoch: int
+    ) -> bool:
+        """Whether ``positions`` are where this session's last page ended (a
+        read from the oldest kept goes on only from a session that started so)."""
+        return (
+            self.epoch == epoch
+            and self.buckets == buckets
+            and (self.oldest or not oldest)
+            and positions == self.after
+        )
 
 
 def start(
     buckets: frozenset[int] | None,
     positions: dict[int, int],
     oldest: bool,
+    epoch: int,
     holders: Holders,
     pruned: Pruned,
 ) -> Session:
     """A session at ``positions`` (a bucket missing: from 0, or from the oldest
-    change kept with ``oldest``)."""
-    s = Session(buckets, oldest, dict(positions))
+    change kept with ``oldest``) in the feed's ``epoch``."""
+    s = Session(buckets, oldest, epoch, dict(positions))
     _refresh(s, holders, pruned)
     return s
 
