@@ -94,6 +94,7 @@ def _reference(
 def _session_pages(
     streams: dict[int, list[tuple[Any, ...]]], rng: random.Random, limit: int, grow: bool
 ) -> list[list[tuple[Any, ...]]]:
+    most = rng.choice([1, 2, 8, 32])
     """Page through ``streams`` (rows of positions 1, 2, ...) with a reading
     session as Feed.read does, the rows read from the lists themselves; with
     ``grow``, rows are appended to some buckets between pages."""
@@ -113,7 +114,7 @@ def _session_pages(
     session = feedread.start(None, {}, False, 0, holders, pruned)
     pages = []
     for n in range(10_000):
-        page = feedread.next_rows(session, limit, holders, read, pruned)
+        page = feedread.next_rows(session, limit, most, holders, read, pruned)
         pages.append(page)
         if grow and n < 30 and rng.random() < 0.5:
             for b in rng.sample(buckets, min(3, len(buckets))):

@@ -197,7 +197,8 @@ class Feed:
         epoch = self.epoch()
         if session is None or not session.goes_on(positions, key, oldest, epoch):
             session = feedread.start(key, positions, oldest, epoch, holders, pruned)
-        rows = feedread.next_rows(session, limit, holders, self._read_ranges, pruned)
+        most = sql.rows_per_range(self.router.backends[0])
+        rows = feedread.next_rows(session, limit, most, holders, self._read_ranges, pruned)
         if len(self._sessions) >= _SESSIONS:
             self._sessions.pop(next(iter(self._sessions)))
         self._sessions[key] = session

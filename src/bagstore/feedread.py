@@ -70,6 +70,8 @@ class Session:
     pending: list[tuple[int, tuple[Any, ...]]] = field(default_factory=list)
     #: buckets read short of their last position: the least key of the next row
     blocked: list[int] = field(default_factory=list)
+    #: of each bucket read: the rows asked the last time
+    sizes: dict[int, int] = field(default_factory=dict)
 
     def goes_on(
         self, positions: dict[int, int], buckets: frozenset[int] | None, oldest: bool, epoch: int
@@ -119,16 +121,20 @@ def _refresh(s: Session, holders: Holders, pruned: Pruned) -> None:
 
 
 def next_rows(
-    s: Session, limit: int, holders: Holders, read: Reader, pruned: Pruned
+    s: Session, limit: int, most: int, holders: Holders, read: Reader, pruned: Pruned
 ) -> list[tuple[Any, ...]]:
     """The next ``limit`` rows (at most) of the session in merge order, and
-    the session moved on past them (``s.after``)."""
+    the session moved on past them (``s.after``); ``most``: rows read at most
+    from one bucket at a time."""
     if not s.blocked and len(s.pending) < limit:
         # Every bucket was read to the positions known: read them afresh.
         s.blocked = []
         _refresh(s, holders, pruned)
     active = max(1, len(s.blocked))
-    chunk = min(limit, max(8, -(-2 * limit // active)))
+    # a bucket's first read: twice its share of a page; each next one twice
+    # the last, up to `most` or that share (a range costs more than its rows)
+    first = min(limit, max(2, -(-2 * limit // active)))
+    most = max(first, most)
     stuck: set[int] = set()  # buckets that read nothing twice in this call
     tried: set[int] = set()
     pending, blocked = s.pending, s.blocked
@@ -147,7 +153,7 @@ def next_rows(
             heapq.heappush(blocked, bound)
         if not picked:
             break
-        short = _fill(s, picked, chunk, read)
+        short = _fill(s, picked, first, most, read)
         if short:
             _recheck(s, short, holders, pruned, tried, stuck)
     taken = pending[: min(n, limit)]
@@ -165,17 +171,19 @@ def _key(high: int, bucket: int, pos: int) -> int:
     return (high << 72) + (bucket << 48) + pos
 
 
-def _fill(s: Session, picked: list[int], chunk: int, read: Reader) -> list[int]:
-    """Read the next ``chunk`` rows of the ``picked`` buckets' heap keys into
+def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) -> list[int]:
+    """Read the next rows of the ``picked`` buckets' heap keys (``first`` the
+    first time, then twice as many as the last time, up to ``most``) into
     ``s.pending`` (in merge order) and push those still short of their last
     position back onto the heap; the buckets that read nothing."""
-    ends, read_to = s.ends, s.read_to
+    ends, read_to, sizes = s.ends, s.read_to, s.sizes
     by_shard: dict[int, list[tuple[int, int, int]]] = {}
     asked: list[tuple[int, int, int]] = []
     for bound in picked:
         b, lo = (bound >> 48) & _BUCKETS, (bound & _POSITIONS)
         top, _, shard = ends[b]
-        r = (b, lo, min(top, lo - 1 + chunk))
+        size = sizes[b] = min(most, 2 * sizes[b]) if b in sizes else first
+        r = (b, lo, min(top, lo - 1 + size))
         asked.append(r)
         by_shard.setdefault(shard, []).append(r)
     asked.sort()
