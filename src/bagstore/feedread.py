@@ -19,10 +19,12 @@ cursor read a few rows, a cost that grows with the bucket count, once.  So
 does a page after the reader caught up with the positions read (following
 the feed's end): they are read afresh.
 
-The merge order is the one :func:`bagstore.feedpage.merge` gives a page: by
-the running maximum of ``updated`` along each bucket, then bucket and
-position, never past a bucket's first row not read (its key is at least the
-heap's); here the running maximum runs from the session's start.
+The merge order: by the running maximum of ``updated`` along each bucket
+(from the session's start), then bucket and position, each bucket's rows in
+position order; a page never goes past a bucket's first row not read (its
+key is at least the heap's), so a change it has not read cannot come before
+one it returned.  Keys are one int each (see :func:`_key`; a store has at
+most 65,536 buckets).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ __all__ = ["Session", "next_rows"]
 
 _UPDATED, _BUCKET, _POS = itemgetter(5), itemgetter(0), itemgetter(1)
 _AT = itemgetter(0, 1)
-_ROW = itemgetter(1)
+_KEY, _ROW = itemgetter(0), itemgetter(1)
 _HI, _HIGH, _TOP = itemgetter(2), itemgetter(1), itemgetter(0)
 _72, _48 = repeat(72), repeat(48)
 _BUCKETS, _POSITIONS = (1 << 24) - 1, (1 << 48) - 1
@@ -139,7 +141,7 @@ def next_rows(
     tried: set[int] = set()
     pending, blocked = s.pending, s.blocked
     while True:
-        n = len(pending) if not blocked else bisect_left(pending, (blocked[0],))
+        n = len(pending) if not blocked else bisect_left(pending, blocked[0], key=_KEY)
         if n >= limit or not blocked:
             break
         # The buckets whose next row could sort before the page's last row.
@@ -239,9 +241,9 @@ def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) ->
             running = list(accumulate(times[first:end], max, initial=high))[1:]
             keys = _keys(running, bs[first:end], ps[first:end])
             keyed += zip(keys, rows[first:end], strict=True)
-    keyed.sort()
+    keyed.sort(key=_KEY)  # by the int alone: cheaper than comparing tuples
     s.pending += keyed
-    s.pending.sort()  # two sorted runs: one merge
+    s.pending.sort(key=_KEY)  # two sorted runs: one merge
     return short
 
 
@@ -281,9 +283,9 @@ def _fill_fast(
     )
     heapq.heapify(s.blocked)
     keyed = list(zip(_keys(times, bs, ps), rows, strict=True))
-    keyed.sort()
+    keyed.sort(key=_KEY)  # by the int alone: cheaper than comparing tuples
     s.pending += keyed
-    s.pending.sort()  # two sorted runs: one merge
+    s.pending.sort(key=_KEY)  # two sorted runs: one merge
     return True
 
 
