@@ -5,7 +5,7 @@ Run from the repository root::
     python -m bench.changes [--backend sqlite|mysql|all] [--rounds N] [--seconds S]
                             [--only put|bucket|read|lag] [--quick] [--format ...]
 
-Metrics (each backend; four shards, 64 buckets):
+Metrics (each backend; four shards, 64 buckets unless said):
 
 - ``put, feed on vs off``: ``ds.put`` of a ~300-byte entity into a kind whose
   feed is on (with bodies, and without), beside the same puts into a kind
@@ -20,7 +20,8 @@ Metrics (each backend; four shards, 64 buckets):
 - ``feed cost, on/off``: bagstore's on/off ratio beside raw SQL's own (the
   same transaction against the upsert alone), measured in the same rounds:
   what the extra row and row lock cost on this machine whoever writes them.
-- ``changes read``: ``ds.changes(since=cursor, limit=1000)`` page after page
+- ``changes read`` (64 buckets, and again with the store's default 1,024 on
+  fresh shards): ``ds.changes(since=cursor, limit=1000)`` page after page
   over 20,000 changes of a kind that records bodies, reading every change's
   ``.entity`` (a Change decodes its body when ``.entity`` is read), beside
   raw DB-API reading the same rows by position (one keyset ``SELECT`` of the
@@ -50,6 +51,7 @@ import bagstore
 from bagstore import codec
 from bagstore.backends.mysql import MySQLDialect
 from bagstore.backends.sqlite import SQLiteDialect
+from bagstore.catalog import DEFAULT_BUCKETS
 from bagstore.sharding.hashing import bucket_of
 from bench.common import (
     Row,
@@ -173,8 +175,8 @@ def put_cost(backend: str, shards: Shards, rounds: int, seconds: float) -> list[
     return rows
 
 
-def read_speed(backend: str, shards: Shards, total: int, rounds: int) -> Row:
-    ds = bagstore.Datastore(shards.urls[:SHARDS], buckets=BUCKETS, kind="readme")
+def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: int) -> Row:
+    ds = bagstore.Datastore(shards.urls[:SHARDS], buckets=buckets, kind="readme")
     ds.feed.enable(bodies=True)
     for start in range(0, total, 500):
         ds.put_many([friendfeed_entity() for _ in range(min(500, total - start))])
@@ -217,8 +219,8 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int) -> Row:
     for conn in conns:
         conn.close()
     ds.close()
-    return paired(f"{backend}: changes read (pages of 1,000, bodies), changes", r["bag"],
-                  r["raw"], goal=0.8)  # fmt: skip
+    return paired(f"{backend}: changes read (pages of 1,000, bodies, {buckets:,} buckets), "
+                  "changes", r["bag"], r["raw"], goal=0.8)  # fmt: skip
 
 
 def _writers(ds: bagstore.Datastore, threads: int, seconds: float) -> float:
@@ -291,18 +293,21 @@ def lag(backend: str, urls: list[str], seconds: float) -> Row:
 
 
 def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
     with fresh_shards(backend, SHARDS + 1, "bagbench_feed") as shards:
         urls = shards.urls[:SHARDS]
-        rows: list[Row] = []
         if args.only in ("all", "put"):
             rows += put_cost(backend, shards, args.rounds, args.seconds)
         if args.only in ("all", "bucket"):
             rows.append(one_bucket(backend, urls, args.rounds, args.seconds))
         if args.only in ("all", "read"):
-            rows.append(read_speed(backend, shards, args.changes, args.rounds))
+            rows.append(read_speed(backend, shards, args.changes, args.rounds, BUCKETS))
         if args.only in ("all", "lag"):
             rows.append(lag(backend, urls, args.lag_seconds))
-        return rows
+    if args.only in ("all", "read"):  # the store's default bucket count, fresh shards
+        with fresh_shards(backend, SHARDS + 1, "bagbench_feed_dflt") as shards:
+            rows.append(read_speed(backend, shards, args.changes, args.rounds, DEFAULT_BUCKETS))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,17 +1,20 @@
 """A page of the change feed (bagstore.feedpage): a Change's body decoded when
 ``.entity`` is read, a damaged body's error, and the merge of the buckets by
-time against the plain algorithm it shortcuts."""
+time (bagstore.feedread's reading sessions) against the plain algorithm."""
 
 from __future__ import annotations
 
+import base64
+import json
 import random
+import zlib
 from typing import Any
 
 import pytest
 
 import bagstore
+from bagstore import Change, feedread
 from bagstore.backends import changesql
-from bagstore.feedpage import merge
 from tests.conftest import Topology
 
 
@@ -88,18 +91,111 @@ def _reference(
     return taken[:limit]
 
 
+def _session_pages(
+    streams: dict[int, list[tuple[Any, ...]]], rng: random.Random, limit: int, grow: bool
+) -> list[list[tuple[Any, ...]]]:
+    most = rng.choice([1, 2, 8, 32])
+    """Page through ``streams`` (rows of positions 1, 2, ...) with a reading
+    session as Feed.read does, the rows read from the lists themselves; with
+    ``grow``, rows are appended to some buckets between pages."""
+    buckets = sorted(streams)
+
+    def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
+        return {b: (len(streams[b]), 0, b % 3) for b in buckets if wanted is None or b in wanted}
+
+    def read(by_shard: dict[int, list[tuple[int, int, int]]]) -> list[tuple[Any, ...]]:
+        for shard, ranges in by_shard.items():
+            assert all(b % 3 == shard for b, _, _ in ranges)  # asked where it is
+        return [r for rs in by_shard.values() for b, lo, hi in rs for r in streams[b][lo - 1 : hi]]
+
+    def pruned(bucket: int, at: int, low: int) -> None:
+        raise AssertionError("nothing is pruned here")
+
+    session = feedread.start(None, {}, False, 0, holders, pruned)
+    pages = []
+    for n in range(10_000):
+        page = feedread.next_rows(session, limit, most, holders, read, pruned)
+        pages.append(page)
+        if grow and n < 30 and rng.random() < 0.5:
+            for b in rng.sample(buckets, min(3, len(buckets))):
+                at = len(streams[b])
+                high = max((r[5] for r in streams[b]), default=0)
+                streams[b].append((b, at + 1, b"id", 0, 1, high + rng.randint(0, 5), None))
+        elif not page:
+            break
+    return pages
+
+
 @pytest.mark.parametrize("monotone", [True, False])
-def test_merge_is_the_plain_merge(monotone: bool) -> None:
+def test_session_pages_are_the_plain_merge(monotone: bool) -> None:
+    """Pages read with a session, the next rows of only some buckets read at a
+    time, are together the plain merge of every bucket's rows (the running
+    maximum from the start), each at most ``limit`` rows and full while rows
+    are left; rows written between pages all come, once, each bucket's in
+    position order."""
     rng = random.Random(26)
-    for _ in range(200):
+    for round_no in range(120):
         streams: dict[int, list[tuple[Any, ...]]] = {}
-        for b in rng.sample(range(64), rng.randint(1, 12)):
-            n = rng.randint(0, 15)
-            times = [rng.randint(1, 50) for _ in range(n)]  # ties across buckets too
+        for b in rng.sample(range(1024), rng.randint(1, 60)):
+            times = [rng.randint(1, 50) for _ in range(rng.randint(0, 40))]
             if monotone:
                 times.sort()
-            first = rng.randint(1, 100)
-            streams[b] = [(b, first + i, b"id", 0, 1, t, None) for i, t in enumerate(times)]
-        truncated = {b for b in streams if rng.random() < 0.3}
-        limit = rng.randint(1, 80)
-        assert merge(streams, truncated, limit) == _reference(streams, truncated, limit)
+            streams[b] = [(b, i + 1, b"id", 0, 1, t, None) for i, t in enumerate(times)]
+        limit = rng.randint(1, 120)
+        grow = round_no % 2 == 1
+        pages = _session_pages(streams, rng, limit, grow)
+        got = [r for page in pages for r in page]
+        assert all(len(page) <= limit for page in pages)
+        if not grow:
+            assert got == _reference(streams, set(), len(got) + 1)
+            sizes = [len(page) for page in pages]
+            assert all(n == limit for n in sizes[:-2]), sizes  # full while rows are left
+        for b, rows in streams.items():
+            assert [r for r in got if r[0] == b] == rows  # every row, once, in order
+
+
+def test_pages_at_the_default_bucket_count_resume_anywhere(topo: Topology) -> None:
+    """1,024 buckets: pages read by one handle (its reading session going on)
+    and by another from the same cursors (starting afresh), with writes
+    between pages, give every change once, each entity's in version order;
+    a cursor of the format before (positions JSON at zlib level 9) still reads
+    on."""
+    ds = topo.open()
+    assert ds.feed.router.placement.buckets == 1024
+    other = topo.open()
+    ds.feed.enable()
+    ids = ds.put_many([{"n": i} for i in range(1500)])
+    seen: list[Change] = []
+    since = None
+    for n in range(200):
+        reader = ds if n % 3 else other
+        page = reader.changes(since=since, limit=250)
+        seen += page
+        since = page.cursor
+        if n < 4:
+            ds.put_many([{"id": i, "n": -1} for i in ids[n * 100 : n * 100 + 100]])
+        elif not page:
+            break
+    assert len(seen) == 1900 == len(set(seen))
+    by_id: dict[bytes, list[int]] = {}
+    for c in seen:
+        by_id.setdefault(c.id, []).append(c.version)
+    assert all(v == sorted(v) and len(set(v)) == len(v) for v in by_id.values())
+    assert sorted(map(len, by_id.values())) == [1] * 1100 + [2] * 400
+    # the cursor as the code before made it: same positions, level 9
+    positions = ds.feed.positions_of(since)
+    flat: list[int] = []
+    last = 0
+    for b in sorted(positions):
+        flat += [b - last, positions[b]]
+        last = b
+    raw = zlib.compress(json.dumps(flat, separators=(",", ":")).encode(), 9)
+    body = f"{ds.feed.router.placement.version}.{ds.feed.epoch()}."
+    body += base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    old = f"c1.{body}.{ds.feed._mac(body)}"
+    assert old != since and other.feed.positions_of(old) == positions
+    ds.put({"id": ids[0], "n": 5})
+    (change,) = other.changes(since=old)
+    assert change.id == ids[0] and change.version > max(by_id[ids[0]])
+    other.close()
+    ds.close()

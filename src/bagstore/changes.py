@@ -39,18 +39,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from bagstore import feedread
 from bagstore.backends import Backend, check_identifier
 from bagstore.backends import changesql as sql
 from bagstore.errors import ChangesLost, ChangesPruned, ConfigurationError, InvalidQuery
-from bagstore.feedpage import (
-    Change,
-    ChangePage,
-    decode_positions,
-    encode_positions,
-    merge,
-    page_changes,
-    positions_after,
-)
+from bagstore.feedpage import Change, ChangePage, decode_positions, encode_positions, page_changes
 
 if TYPE_CHECKING:
     from bagstore.sharding.router import Router
@@ -63,6 +56,8 @@ DEFAULT_MAX_AGE = 7 * 24 * 3600
 DEFAULT_MAX_CHANGES = 1_000_000
 MAX_LIMIT = 10_000
 _CURSOR_PREFIX = "c1."
+#: reading sessions kept (one a set of buckets read: a consumer's ranges)
+_SESSIONS = 64
 
 
 @dataclass(frozen=True)
@@ -87,12 +82,11 @@ class Feed:
         self._epoch: int | None = None
         self._epoch_at = 0.0
         self._epoch_version = -1  # the placement version when the epoch was read
-        #: bucket -> change rows read and not returned yet, in position order
-        self._ahead: dict[int, list[tuple[Any, ...]]] = {}
+        #: the reading sessions of the last pages read, by the buckets read
+        self._sessions: dict[frozenset[int] | None, feedread.Session] = {}
         self._others: dict[str, Feed] = {}  # other kinds' feeds (see other())
-        #: the buckets asked and the positions read for the last page, if it
-        #: left changes known to be there
-        self._full_page: tuple[frozenset[int] | None, dict[int, tuple[int, int, int]]] | None = None
+        #: the last cursor made: (cursor, its positions, its epoch)
+        self._issued: tuple[str, dict[int, int], int] | None = None
 
     # -- settings ------------------------------------------------------------------
     def settings(self) -> FeedSettings | None:
@@ -186,46 +180,33 @@ class Feed:
     ) -> tuple[list[Change], dict[int, int]]:
         """The next changes after ``positions`` (of ``buckets``, default all),
         at most ``limit``, and the positions after them.  ``oldest``: a bucket
-        missing from ``positions`` starts at the oldest change kept."""
-        wanted = None if buckets is None else set(buckets)
-        key = None if wanted is None else frozenset(wanted)
-        # After a page that left changes known to be there, the positions read
-        # for it still show work (a reader catching up saves a round trip a
-        # page); otherwise, and after an empty page, they are read afresh.
-        known = self._full_page
-        self._full_page = None
-        ends = known[1] if known is not None and known[0] == key else self.holders(wanted)
-        active: dict[int, tuple[int, int]] = {}
-        for b, (top, pruned, _) in ends.items():
-            at = positions.get(b, pruned if oldest else 0)
-            if at < pruned:
-                self._pruned(b, at, pruned, who)
-            if top > at:
-                active[b] = (at, top)
-        if not active:
-            return [], dict(positions)
-        # rows read per bucket: twice an even share of the page (what is not
-        # returned is kept for the next page, see _ahead)
-        cap = min(limit, max(8, -(-2 * limit // len(active))))
-        by_shard: dict[int, list[tuple[int, int, int]]] = {}
-        truncated = set()
-        # Rows read ahead by an earlier page and not returned yet (change rows
-        # never change: any reader may use them).
-        cached: dict[int, list[tuple[Any, ...]]] = {}
-        for b, (at, top) in active.items():
-            hi = min(top, at + cap)
-            if hi < top:
-                truncated.add(b)
-            lo = at + 1
-            ahead = self._ahead.get(b)
-            if ahead and ahead[0][1] <= lo <= ahead[-1][1]:
-                have = ahead[lo - ahead[0][1] : hi - ahead[0][1] + 1]
-                cached[b] = have
-                lo += len(have)
-            if lo <= hi:
-                by_shard.setdefault(ends[b][2], []).append((b, lo, hi))
-        for asked in by_shard.values():
-            asked.sort()
+        missing from ``positions`` starts at the oldest change kept.
+
+        A read that goes on from where the last one of the same buckets ended
+        costs what its rows cost (:mod:`bagstore.feedread`); another starts
+        afresh, reading every bucket's positions."""
+        key = None if buckets is None else frozenset(buckets)
+        # Taken out while in use: a thread reading the same buckets at the
+        # same time starts its own session.
+        session = self._sessions.pop(key, None)
+        holders = self.holders
+
+        def pruned(bucket: int, at: int, low: int) -> None:
+            self._pruned(bucket, at, low, who)
+
+        epoch = self.epoch()
+        if session is None or not session.goes_on(positions, key, oldest, epoch):
+            session = feedread.start(key, positions, oldest, epoch, holders, pruned)
+        most = sql.rows_per_range(self.router.backends[0])
+        rows = feedread.next_rows(session, limit, most, holders, self._read_ranges, pruned)
+        if len(self._sessions) >= _SESSIONS:
+            self._sessions.pop(next(iter(self._sessions)))
+        self._sessions[key] = session
+        return page_changes(rows, self.kind), dict(session.after)
+
+    def _read_ranges(self, by_shard: dict[int, list[tuple[int, int, int]]]) -> list[Any]:
+        """The change rows of ``{shard: [(bucket, lo, hi), ...]}``, one
+        statement a group of shards (see :meth:`_groups`)."""
         backends = self.router.backends
 
         def on(group: list[int]) -> list[tuple[Any, ...]]:
@@ -233,42 +214,8 @@ class Feed:
                 return sql.read_ranges(backends[group[0]], self.kind, by_shard[group[0]])
             return sql.ranges_together(self.kind, [(backends[s], by_shard[s]) for s in group])
 
-        groups = self._groups(sorted(by_shard))
-        parts = self.router.map(on, groups)
-        # rows (bucket, pos, id, op, version, updated, body), per bucket by pos
-        streams: dict[int, list[tuple[Any, ...]]] = {}
-        for group, rows in zip(groups, parts, strict=True):
-            self._split([r for s in group for r in by_shard[s]], rows, streams)
-        for b, (at, _) in active.items():
-            rows = cached.get(b, []) + streams.get(b, []) if b in cached else streams.get(b, [])
-            streams[b] = rows
-            expected = min(active[b][1], at + cap) - at
-            if len(rows) == expected and (not rows or rows[-1][1] - rows[0][1] == expected - 1):
-                continue  # positions at+1 ... at+expected, none missing
-            gapless = 0
-            while gapless < len(rows) and rows[gapless][1] == at + 1 + gapless:
-                gapless += 1
-            # Rows up to the bucket's top are committed: missing ones were
-            # pruned, or their shard let go of the bucket (a move's end)
-            # while this page was read.  Only the gapless part is used.
-            pruned = self.ends([b]).get(b, (0, 0))[1]
-            if gapless == 0 and pruned > at:
-                self._pruned(b, at, pruned, who)
-            streams[b] = rows[:gapless]
-            truncated.add(b)
-        taken = merge(streams, truncated, limit)
-        out = page_changes(taken, self.kind)
-        after = positions_after(positions, taken)
-        if out and any(ends[b][0] > after.get(b, 0) for b in active):
-            self._full_page = (key, ends)  # more is known to be there
-        for b, rows in streams.items():  # what this page read and did not return
-            last = after.get(b, active[b][0])
-            left = rows[last - rows[0][1] + 1 :] if rows else []
-            if left:
-                self._ahead[b] = left
-            else:
-                self._ahead.pop(b, None)
-        return out, after
+        parts = self.router.map(on, self._groups(sorted(by_shard)))
+        return parts[0] if len(parts) == 1 else [r for part in parts for r in part]
 
     def _groups(self, shards: list[int]) -> list[list[int]]:
         """Shards grouped so that one statement reads each group (databases of
@@ -284,31 +231,6 @@ class Feed:
             size = backends[group[0]].max_together or len(group)
             out += [group[n : n + size] for n in range(0, len(group), size)]
         return out
-
-    @staticmethod
-    def _split(
-        asked: list[tuple[int, int, int]],
-        rows: list[tuple[Any, ...]],
-        streams: dict[int, list[tuple[Any, ...]]],
-    ) -> None:
-        """Rows of one shard's ranges (in bucket, position order) into
-        ``streams`` by bucket: sliced by the counts asked when every row is
-        there, else row by row."""
-        if len(rows) == sum(hi - lo + 1 for _, lo, hi in asked):
-            start = 0
-            for b, lo, hi in asked:
-                end = start + hi - lo + 1
-                part = rows[start:end]
-                if part[0][0] != b or part[0][1] != lo or part[-1][1] != hi:
-                    break
-                streams[b] = part
-                start = end
-            else:
-                return
-        for b, _, _ in asked:
-            streams.pop(b, None)
-        for r in rows:
-            streams.setdefault(r[0], []).append(r)
 
     def _pruned(self, bucket: int, at: int, pruned: int, who: str) -> None:
         whom = f"consumer {who!r}" if who else "this cursor"
@@ -375,14 +297,31 @@ class Feed:
 
     def cursor(self, positions: dict[int, int]) -> str:
         """An opaque, signed cursor holding ``positions`` (and the epoch)."""
-        body = f"{self.router.placement.version}.{self.epoch()}.{encode_positions(positions)}"
-        return f"{_CURSOR_PREFIX}{body}.{self._mac(body)}"
+        epoch = self.epoch()
+        body = f"{self.router.placement.version}.{epoch}.{encode_positions(positions)}"
+        cursor = f"{_CURSOR_PREFIX}{body}.{self._mac(body)}"
+        if min(positions.values(), default=1) > 0:  # what decoding it gives back
+            self._issued = (cursor, dict(positions), epoch)
+        return cursor
 
     def positions_of(self, cursor: object) -> dict[int, int]:
         """The positions a cursor of this store and kind holds (InvalidQuery if
         it is not one)."""
         if cursor is None:
             return {}
+        issued = self._issued
+        if issued is not None and cursor == issued[0]:
+            # the last cursor made here (the next page's): known, not decoded
+            positions, epoch = dict(issued[1]), issued[2]
+        else:
+            positions, epoch = self._decode(cursor)
+        self.check_epoch(epoch, "this cursor")
+        if positions and max(positions) >= self.router.placement.buckets:
+            raise InvalidQuery("a change feed cursor naming buckets this store lacks")
+        return positions
+
+    def _decode(self, cursor: object) -> tuple[dict[int, int], int]:
+        """A cursor's positions and epoch, its signature checked."""
         if not isinstance(cursor, str) or not cursor.startswith(_CURSOR_PREFIX):
             raise InvalidQuery(f"not a change feed cursor: {str(cursor)[:40]!r}")
         body, _, mac = cursor[len(_CURSOR_PREFIX) :].rpartition(".")
@@ -393,13 +332,9 @@ class Feed:
             )
         try:
             _, epoch, text = body.split(".", 2)
-            positions = decode_positions(text)
+            return decode_positions(text), int(epoch)
         except (ValueError, zlib.error):
             raise InvalidQuery("a damaged change feed cursor") from None
-        self.check_epoch(int(epoch), "this cursor")
-        if positions and max(positions) >= self.router.placement.buckets:
-            raise InvalidQuery("a change feed cursor naming buckets this store lacks")
-        return positions
 
     def changes(self, since: str | None = None, limit: int = 1000) -> ChangePage:
         """The changes after the cursor ``since`` (from the oldest kept when

@@ -1,15 +1,15 @@
-"""A page of the change feed (:mod:`bagstore.changes`): :class:`Change`, the
-buckets' rows merged by time, and positions as the text a cursor carries."""
+"""A page of the change feed (:mod:`bagstore.changes`): :class:`Change`, and
+positions as the text a cursor carries (the buckets' rows are merged by time
+in :mod:`bagstore.feedread`)."""
 
 from __future__ import annotations
 
 import base64
-import bisect
 import json
 import zlib
 from collections.abc import Iterable
-from itertools import accumulate, compress, count, islice
-from operator import gt, itemgetter
+from itertools import accumulate, chain, compress, repeat
+from operator import gt, sub
 from typing import Any
 
 from bagstore import codec
@@ -21,9 +21,7 @@ __all__ = [
     "ChangePage",
     "decode_positions",
     "encode_positions",
-    "merge",
     "page_changes",
-    "positions_after",
 ]
 
 
@@ -94,8 +92,6 @@ class Change(tuple[Any, ...]):
 
 _OPS = {sql.PUT: "put", sql.DELETE: "delete"}
 _new = tuple.__new__
-_AT, _UPDATED = itemgetter(0, 1), itemgetter(5)
-_MERGE_KEY = itemgetter(5, 0, 1)
 
 
 def page_changes(rows: list[tuple[Any, ...]], kind: str) -> list[Change]:
@@ -104,56 +100,6 @@ def page_changes(rows: list[tuple[Any, ...]], kind: str) -> list[Change]:
     row (``tuple.__new__``), no body decoded."""
     tail = (kind,)
     return [_new(Change, r + tail) for r in rows]
-
-
-def positions_after(positions: dict[int, int], rows: list[tuple[Any, ...]]) -> dict[int, int]:
-    """``positions`` moved on past ``rows`` (each bucket's in position order:
-    its last row read is the one kept)."""
-    after = dict(positions)
-    after.update(map(_AT, rows))
-    return after
-
-
-def merge(
-    streams: dict[int, list[tuple[Any, ...]]], truncated: set[int], limit: int
-) -> list[tuple[Any, ...]]:
-    """The first ``limit`` rows of the buckets' ``streams`` (each in position
-    order) merged by time, each bucket's rows kept in their order: sorted by
-    the running maximum of ``updated`` along each bucket, then bucket and
-    position; stopping before any row that sorts after a ``truncated``
-    bucket's last row read (its next change, not read, may be older)."""
-    order = sorted(b for b, rows in streams.items() if rows)
-    merged: list[tuple[Any, ...]] = []
-    for b in order:
-        merged += streams[b]
-    # Where `updated` goes back from one row to the next (C loops: a page may
-    # hold a thousand buckets): only between two buckets, normally.
-    times = list(map(_UPDATED, merged))
-    back = compress(count(), map(gt, times, islice(times, 1, None)))
-    if all(merged[i][0] != merged[i + 1][0] for i in back):
-        # every bucket's times grow: the running maximum is `updated` itself,
-        # a bucket's last row its highest; the rows are in (bucket, position)
-        # order and the sort is stable: sorting by `updated` alone sorts by
-        # (updated, bucket, position)
-        ends = [(streams[b][-1][5], b, streams[b][-1][1] + 1) for b in order if b in truncated]
-        merged.sort(key=_UPDATED)
-        n = limit if not ends else bisect.bisect_left(merged, min(ends), key=_MERGE_KEY)
-        return merged[: min(n, limit)]
-    keyed: list[tuple[int, int, int, tuple[Any, ...]]] = []
-    stop: tuple[int, int, int] | None = None
-    for b in order:
-        high = 0
-        for r in streams[b]:
-            u = r[5]
-            if u > high:
-                high = u
-            keyed.append((high, b, r[1], r))
-        if b in truncated:  # its next change may be older than the others' next
-            end = (high, b, streams[b][-1][1] + 1)
-            stop = end if stop is None or end < stop else stop
-    keyed.sort()
-    n = limit if stop is None else min(limit, bisect.bisect_left(keyed, stop))
-    return [k[3] for k in keyed[:n]]
 
 
 class ChangePage(list[Change]):
@@ -165,14 +111,13 @@ class ChangePage(list[Change]):
 
 
 def encode_positions(positions: dict[int, int]) -> str:
-    """Positions as compact text: bucket deltas and positions, JSON, zlib, base64."""
-    flat: list[int] = []
-    last = 0
-    for b in sorted(positions):
-        if positions[b] > 0:
-            flat += [b - last, positions[b]]
-            last = b
-    raw = zlib.compress(json.dumps(flat, separators=(",", ":")).encode(), 9)
+    """Positions as compact text: bucket deltas and positions, JSON, zlib, base64
+    (C loops only: a cursor of 1,024 buckets is made at every page)."""
+    buckets = sorted(compress(positions, map(gt, positions.values(), repeat(0))))
+    flat = [0] * (2 * len(buckets))
+    flat[0::2] = map(sub, buckets, chain((0,), buckets))
+    flat[1::2] = map(positions.__getitem__, buckets)
+    raw = zlib.compress(json.dumps(flat, separators=(",", ":")).encode(), 1)
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "prune",
     "ranges_together",
     "read_ranges",
+    "rows_per_range",
     "set_positions",
     "set_triggers",
     "skip_sql",
@@ -277,6 +278,15 @@ def _row(r: Sequence[Any]) -> ChangeRow:
         int(r[6]),
         None if r[7] is None else bytes(r[7]),
     )
+
+
+def rows_per_range(backend: Backend) -> int:
+    """The most rows a reader asks of one bucket at a time (bagstore.feedread):
+    MariaDB spends ~30 us on each range of an ``OR`` beyond its rows
+    (measured: 200 ranges of 4 rows 20 ms, one range of 800 rows 8 ms), so
+    it is asked for longer ones; SQLite's ranges cost little more than
+    their rows, and shorter ones keep fewer rows waiting in memory."""
+    return 32 if _mysql(backend.dialect) else 8
 
 
 #: Ranges per statement of :func:`read_ranges`.
