@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from bagstore.backends.base import Dialect
-from bagstore.backends.entities import NOT_OWNED
+from bagstore.backends.entitysql import NOT_OWNED
 from bagstore.backends.seqsql import MySQLSequenceSQL, SequenceSQL
 
 __all__ = ["MySQLDialect"]

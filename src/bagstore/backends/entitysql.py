@@ -1,0 +1,120 @@
+"""The text of the statements on an entities table: :class:`EntitySQL`,
+mixed into :class:`bagstore.backends.base.Dialect` (each dialect overrides
+what its server spells otherwise); :class:`bagstore.backends.entities.EntityOps`
+runs them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+__all__ = ["NOT_OWNED", "EntitySQL"]
+
+#: The error text a statement signals when a bucket is not owned here (see
+#: ``EntitySQL.put_one_sql``).
+NOT_OWNED = "bagstore: bucket not owned here"
+
+
+class EntitySQL:
+    """SQL text of entities tables; mixed into :class:`bagstore.backends.base.Dialect`."""
+
+    # Provided by Dialect:
+    param: ClassVar[str]
+    for_update: ClassVar[str]
+    share_lock: ClassVar[str]
+
+    def q(self, name: str) -> str:
+        raise NotImplementedError
+
+    def params(self, n: int) -> str:
+        raise NotImplementedError
+
+    def union_all_sql(self, parts: Sequence[str]) -> str:
+        raise NotImplementedError
+
+    def create_entities_sql(self, kind: str) -> list[str]:
+        raise NotImplementedError
+
+    def upsert_entities_sql(self, kind: str, rows: int) -> str:
+        """Upsert rows ``(id, bucket, updated, body)``, counting ``version`` up
+        by one (a hand-written writer's statement: the benchmarks' raw side)."""
+        raise NotImplementedError
+
+    def write_entities_sql(self, kind: str, rows: int) -> str:
+        """Upsert rows ``(id, bucket, updated, version, body)``; a row that
+        exists gets the larger of its version + 1 and the one given (bagstore's
+        writes: see :mod:`bagstore.versions`)."""
+        raise NotImplementedError
+
+    def put_one_sql(self, kind: str, returning: bool = True) -> str | None:
+        """One statement that upserts one entity (named parameters ``id,
+        bucket, updated, body``) if this shard owns its bucket, its version
+        from the clock read under the row's lock (see
+        :mod:`bagstore.versions`).  It returns the new version as a row (a
+        dialect may return no result without ``returning``); a bucket not
+        owned here gives no row, or the error :data:`NOT_OWNED`.  None where
+        no statement can (then a transaction does it)."""
+        return None
+
+    def conditional_update_sql(self, kind: str, moves: bool) -> str:
+        """Replace one row's ``updated, version, body`` (and ``bucket`` first
+        if ``moves``) only if its id has the version given and this shard owns
+        the bucket (share-locked, as a fenced insert's): parameters ``[bucket,]
+        updated, version, body, id, expected version, bucket``.  (An indexed
+        column left out of the SET costs nothing.)"""
+        p = self.param
+        return (
+            f"UPDATE {self.q(kind)} SET {f'bucket = {p}, ' if moves else ''}updated = {p}, "
+            f"version = {p}, body = {p} WHERE id = {p} AND version = {p} AND EXISTS "
+            f"(SELECT 1 FROM bagstore_owned WHERE bucket = {p} AND state = 0{self.share_lock})"
+        )
+
+    def widen_version_sql(self, kind: str) -> list[str]:
+        return []
+
+    def select_bodies_sql(
+        self,
+        kind: str,
+        n: int,
+        lock: bool = False,
+        schema: str | None = None,
+        stamps: bool = True,
+    ) -> str:
+        """``SELECT id, body, version, updated`` of ``n`` ids (``id, body``
+        without ``stamps``: a reader that needs only the bodies saves the
+        driver two columns of every row)."""
+        table = self.q(kind) if schema is None else f"{self.q(schema)}.{self.q(kind)}"
+        sql = (
+            f"SELECT id, body{', version, updated' if stamps else ''} FROM {table} WHERE id"
+            f"{' = ' + self.param if n == 1 else ' IN (' + self.params(n) + ')'}"
+        )
+        return sql + self.for_update if lock else sql
+
+    def locked_read_sql(self, kind: str, buckets: int, ids: int, bodies: bool = True) -> str:
+        """For a write transaction, one statement: how many of ``buckets``
+        buckets this shard owns and accepts writes in (their ownership rows
+        share-locked until the transaction ends), as ``(count, NULL, NULL,
+        NULL, NULL, NULL)``; then the rows of ``ids`` ids, locked for update,
+        as ``(NULL, NULL, id, body, version, updated)`` (the body NULL unless
+        ``bodies``)."""
+        parts = []
+        if buckets:
+            parts.append(
+                "SELECT COUNT(*), NULL, NULL, NULL, NULL, NULL FROM bagstore_owned "
+                f"WHERE bucket IN ({self.params(buckets)}) AND state = 0" + self.share_lock
+            )
+        if ids:
+            parts.append(
+                f"SELECT NULL, NULL, id, {'body' if bodies else 'NULL'}, version, updated "
+                f"FROM {self.q(kind)} "
+                f"WHERE id IN ({self.params(ids)})" + self.for_update
+            )
+        return self.union_all_sql(parts)
+
+    def copy_entities_sql(self, kind: str, rows: int) -> str:
+        """Upsert rows ``(id, bucket, updated, version, body)`` keeping their version."""
+        raise NotImplementedError
+
+    def delete_entities_sql(self, kind: str, n: int) -> str:
+        cond = f" = {self.param}" if n == 1 else f" IN ({self.params(n)})"
+        return f"DELETE FROM {self.q(kind)} WHERE id{cond}"
