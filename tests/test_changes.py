@@ -486,3 +486,37 @@ def test_a_failover_epoch_refuses_older_cursors_and_positions(topo: Topology) ->
         pass
     assert len(seen) == 6
     assert len(ds.changes()) == 6  # from the start: a fresh cursor
+
+
+def test_a_read_from_the_oldest_goes_on_past_pruned_buckets(topo: Topology) -> None:
+    """A reader from the oldest change whose first page took no row of a
+    bucket whose start was pruned goes on from its cursor: no ChangesPruned
+    for a start it never asked for, and nothing skipped."""
+    from bagstore.retention import prune_changes
+    from bagstore.sharding.hashing import bucket_of
+
+    ds = topo.open(buckets=4)
+    ds.feed.enable(max_age=1)
+
+    def in_bucket(bucket: int, n: int) -> list[bytes]:
+        out: list[bytes] = []
+        while len(out) < n:
+            i = bagstore.new_id()
+            if bucket_of(i, 4) == bucket:
+                out.append(ds.put({"id": i, "b": bucket}))
+        return out
+
+    for b in range(4):
+        in_bucket(b, 3)
+    assert prune_changes(ds.feed, now=time.time_ns() // 1000 + 5_000_000) == 12
+    first = in_bucket(1, 3)  # older than bucket 0's below
+    then = in_bucket(0, 3)
+    page = ds.changes(limit=2)
+    assert [c.id for c in page] == first[:2]
+    seen = [c.id for c in page]
+    while True:
+        page = ds.changes(since=page.cursor, limit=2)
+        if not page:
+            break
+        seen += [c.id for c in page]
+    assert seen == first + then
