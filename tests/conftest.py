@@ -141,6 +141,16 @@ def _make(request: pytest.FixtureRequest, name: str, tmp_path: Path) -> Topology
     return _mysql_topology("t2", [(main, 2), (second, 2)])
 
 
+def buckets_of_rows(ds: bagstore.Datastore, kind: str) -> dict[bytes, int]:
+    """``{id: bucket}`` of every row of ``kind``'s entities table, as its
+    shards hold them (read with raw SQL, past bagstore's placement)."""
+    out = {}
+    for backend in ds.router.backends:
+        for entity_id, bucket in backend.fetchall(f"SELECT id, bucket FROM {kind}"):
+            out[bytes(entity_id)] = int(bucket)
+    return out
+
+
 @pytest.fixture
 def ds(topo: Topology) -> bagstore.Datastore:
     """A datastore without indexes, on each backend."""

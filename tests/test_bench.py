@@ -28,6 +28,18 @@ def test_bench_all_lists_every_bench_module() -> None:
     assert modules == set(SUITES)
 
 
+def test_bagstore_bench_offers_every_suite() -> None:
+    """The CLI's list (the package cannot import bench/) names the same suites."""
+    import click
+
+    from bagstore.cli import cli
+
+    command = cli.commands["bench"]
+    suite = next(p for p in command.params if p.name == "suite")
+    assert isinstance(suite.type, click.Choice)
+    assert set(suite.type.choices) == {*SUITES, "all"}
+
+
 def test_the_table_has_one_row_per_metric(capsys: pytest.CaptureFixture[str]) -> None:
     rows = [
         common.Row("sqlite: put", 900.0, 1000.0, goal=">= 0.9x raw", met=True),

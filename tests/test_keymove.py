@@ -12,17 +12,9 @@ import pytest
 import bagstore
 from bagstore.keymove import encode_key
 from bagstore.sharding.directory import MIGRATING, NORMAL
-from tests.conftest import Topology
+from tests.conftest import Topology, buckets_of_rows
 
 DIRECTORY = {"shard_key": "user_id", "shard_map": "directory", "buckets": 64}
-
-
-def _buckets_of(ds: bagstore.Datastore, kind: str) -> dict[bytes, int]:
-    out = {}
-    for backend in ds.router.backends:
-        for entity_id, bucket in backend.fetchall(f"SELECT id, bucket FROM {kind}"):
-            out[bytes(entity_id)] = int(bucket)
-    return out
 
 
 def _clean(ds: bagstore.Datastore) -> bool:
@@ -53,11 +45,11 @@ def test_whole_key_migration_under_a_writer(topo: Topology) -> None:
         "photos": [photos.put({"user_id": "ann", "n": n}) for n in range(20)],
     }
     bob = posts.put({"user_id": "bob", "n": 0})
-    bob_bucket = _buckets_of(posts, "posts")[bob]
+    bob_bucket = buckets_of_rows(posts, "posts")[bob]
     note = notes.put({"user_id": "ann", "n": 0})
     olds = {
-        _buckets_of(posts, "posts")[ids["posts"][0]],
-        _buckets_of(posts, "photos")[ids["photos"][0]],
+        buckets_of_rows(posts, "posts")[ids["posts"][0]],
+        buckets_of_rows(posts, "photos")[ids["photos"][0]],
     }
     target = next(b for b in range(64) if b not in olds)
     acked: dict[str, list[bytes]] = {"posts": [], "photos": []}
@@ -91,13 +83,13 @@ def test_whole_key_migration_under_a_writer(topo: Topology) -> None:
         fresh = topo.open(kind=kind, **DIRECTORY)
         every = ids[kind] + acked[kind]
         assert all(e is not None for e in fresh.get_many(every)), kind  # nothing lost
-        where = _buckets_of(fresh, kind)
+        where = buckets_of_rows(fresh, kind)
         assert {where[i] for i in every} == {target}, kind
         assert fresh.count() == len(every) + (1 if kind == "posts" else 0)
         assert _clean(fresh), kind
         assert fresh.placer.directory is not None
         assert fresh.placer.directory.lookup(encode_key("ann")) == (target, NORMAL)
-    assert _buckets_of(posts, "posts")[bob] == bob_bucket  # other keys stay put
+    assert buckets_of_rows(posts, "posts")[bob] == bob_bucket  # other keys stay put
     assert posts.get(bob) == {"id": bob, "user_id": "bob", "n": 0}
     assert notes.get(note) == {"id": note, "user_id": "ann", "n": 0}
     again = bagstore.Mover(photos).migrate_key_by_kind("ann", target, wait=0)
@@ -113,14 +105,14 @@ def test_migrate_key_finishes_a_migration_a_crash_left(topo: Topology) -> None:
     photo = photos.put({"user_id": "ann"})
     assert photos.placer.directory is not None
     key = encode_key("ann")
-    old = _buckets_of(photos, "photos")[photo]
+    old = buckets_of_rows(photos, "photos")[photo]
     target = (old + 1) % 64
     photos.placer.directory.set(key, old, MIGRATING)
     with pytest.raises(bagstore.KeyMigrating):
         photos.put({"user_id": "ann"})
     assert posts.migrate_key("ann", target, wait=0) == 2
-    assert _buckets_of(posts, "posts")[post] == target
-    assert _buckets_of(photos, "photos")[photo] == target
+    assert buckets_of_rows(posts, "posts")[post] == target
+    assert buckets_of_rows(photos, "photos")[photo] == target
     fresh = topo.open(kind="photos", **DIRECTORY)  # (photos caches the frozen entry)
     assert fresh.get(fresh.put({"user_id": "ann", "n": 1})) is not None
 

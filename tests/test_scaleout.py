@@ -19,7 +19,7 @@ from bagstore import keys
 from bagstore.scaleout import Mover
 from bagstore.sharding.hashing import bucket_of
 from tests import servers
-from tests.conftest import Topology, _mysql_topology, _need
+from tests.conftest import Topology, _mysql_topology, _need, buckets_of_rows
 
 link_idx = bagstore.Index(table="index_link", properties=["link"], shard_on="link")
 
@@ -482,21 +482,13 @@ photo_idx = bagstore.Index(
 )
 
 
-def _buckets_of(ds: bagstore.Datastore, kind: str) -> dict[bytes, int]:
-    out = {}
-    for backend in ds.router.backends:
-        for entity_id, bucket in backend.fetchall(f"SELECT id, bucket FROM {kind}"):
-            out[bytes(entity_id)] = int(bucket)
-    return out
-
-
 def test_kind_placed_by_a_shard_key(topo: Topology) -> None:
     photos = topo.open(kind="photos", shard_key="user_id", indexes=[photo_idx], buckets=64)
     ids = {
         u: [photos.put({"user_id": u, "published": p}) for p in range(10)]
         for u in (b"ann", b"bob", b"cy")
     }
-    where = _buckets_of(photos, "photos")
+    where = buckets_of_rows(photos, "photos")
     for mine in ids.values():
         assert len({where[i] for i in mine}) == 1  # a user's photos together
     fresh = topo.open(kind="photos", shard_key="user_id", indexes=[photo_idx])
@@ -508,7 +500,7 @@ def test_kind_placed_by_a_shard_key(topo: Topology) -> None:
     # changing the shard key moves the entity to the new key's bucket
     moved = ids[b"ann"][0]
     fresh.put({"id": moved, "user_id": b"cy", "published": 99})
-    assert _buckets_of(fresh, "photos")[moved] == where[ids[b"cy"][0]]
+    assert buckets_of_rows(fresh, "photos")[moved] == where[ids[b"cy"][0]]
     assert photos.get(moved) == {"id": moved, "user_id": b"cy", "published": 99}
     assert len(photo_idx.get_all(photos, user_id=b"ann")) == 9
     assert fresh.delete(moved) and photos.get(moved) is None
@@ -534,7 +526,7 @@ def test_directory_assigns_least_loaded_buckets(topo: Topology) -> None:
     users = topo.open(kind="posts", shard_key="user_id", shard_map="directory", buckets=64)
     for u in range(64):
         users.put({"user_id": u})
-    assert sorted(_buckets_of(users, "posts").values()) == list(range(64))
+    assert sorted(buckets_of_rows(users, "posts").values()) == list(range(64))
 
 
 def test_migrate_key_under_writes(topo: Topology) -> None:
@@ -548,7 +540,7 @@ def test_migrate_key_under_writes(topo: Topology) -> None:
     )
     ids = [ds.put({"user_id": "ann", "n": n}) for n in range(50)]
     ds.put({"user_id": "bob", "n": 0})
-    old = _buckets_of(ds, "posts")[ids[0]]
+    old = buckets_of_rows(ds, "posts")[ids[0]]
     target = (old + 33) % 64
     acked: dict[bytes, int] = {}
     refused = [0]
@@ -575,7 +567,7 @@ def test_migrate_key_under_writes(topo: Topology) -> None:
         thread.join()
     assert refused[0] > 0  # writes were told to retry while it moved
     assert moved >= 50
-    where = _buckets_of(ds, "posts")
+    where = buckets_of_rows(ds, "posts")
     assert {where[i] for i in [*ids, *acked]} == {target}
     fresh = topo.open(kind="posts", shard_key="user_id", shard_map="directory")
     got = fresh.get_many([*ids, *acked])

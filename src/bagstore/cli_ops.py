@@ -497,6 +497,8 @@ def seq_show(ctx: click.Context, as_json: bool) -> None:
             "cleaner",
             "scaleout",
             "codec",
+            "tables",
+            "replicas",
             "changes",
         ]
     ),

@@ -403,27 +403,21 @@ class Backend(EntityOps, BucketOps, IndexOps):
         """A write transaction on ``conn``; yields a cursor; commits at the end.
         Statements run on it with :func:`bagstore.backends.pipeline.later`
         may be sent only with the next one whose result is read, or the
-        commit."""
-        with self.writing(), self._transaction(conn) as cur:
-            yield cur
-
-    @contextmanager
-    def _transaction(self, conn: Any) -> Iterator[Any]:
-        cur = self._write_cursor(conn)
-        try:
-            self._begin(cur)
-            yield cur
-            if isinstance(cur, Pipeline):
-                cur.commit()
-            else:
-                conn.commit()
-        except BaseException:
-            if isinstance(cur, Pipeline):
-                cur.discard()
-            self._rollback_quietly(conn)
-            raise
-        finally:
-            cur.close()
+        commit (statements held back are dropped by a rollback)."""
+        with self.writing():
+            cur = self._write_cursor(conn)
+            try:
+                self._begin(cur)
+                yield cur
+                if isinstance(cur, Pipeline):
+                    cur.commit()
+                else:
+                    conn.commit()
+            except BaseException:
+                self._rollback_quietly(conn)
+                raise
+            finally:
+                cur.close()
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Run one statement in autocommit mode; return its row count."""

@@ -21,7 +21,7 @@ from bagstore.backends.buckets import ownership_error
 from bagstore.backends.changesql import skip_sql
 from bagstore.backends.entitysql import NOT_OWNED, EntitySQL
 from bagstore.backends.pipeline import later
-from bagstore.errors import ConfigurationError
+from bagstore.errors import ConfigurationError, StalePlacement
 from bagstore.versions import clock, next_version
 
 if TYPE_CHECKING:
@@ -101,6 +101,8 @@ class EntityOps:
 
         def check_owned(self, buckets: Sequence[int]) -> None: ...
 
+        def bucket_states(self, buckets: Sequence[int] | None = None) -> dict[int, int]: ...
+
     def ensure_kind(self, kind: str) -> None:
         """Create the entities table of ``kind`` when missing (once per process).
 
@@ -133,11 +135,16 @@ class EntityOps:
 
     def get_body(self, kind: str, entity_id: bytes) -> bytes | None:
         """One entity's encoded body on this shard, or None: one statement."""
+        row = self.run(_fetchone, self.point_read_sql(kind), (entity_id,))
+        return None if row is None else bytes(row[1])
+
+    def point_read_sql(self, kind: str) -> str:
+        """``select_bodies_sql(kind, 1, stamps=False)``, found by kind with one
+        lookup (a point read's path is a few microseconds on SQLite)."""
         sql = self._point_sql.get(kind)
         if sql is None:
             sql = self._point_sql[kind] = self.dialect.select_bodies_sql(kind, 1, stamps=False)
-        row = self.run(_fetchone, sql, (entity_id,))
-        return None if row is None else bytes(row[1])
+        return sql
 
     def get_bodies(self, kind: str, ids: Sequence[bytes]) -> dict[bytes, Stored]:
         """``{id: Stored(body, version, updated)}`` of the ids present on this shard."""
@@ -331,16 +338,12 @@ class EntityOps:
                     owned += int(r[0])
                 else:
                     found.append((r[2], r[3], int(r[4]), int(r[5])))
-        if owned != len(wanted):  # which buckets, and why (in the same transaction)
-            sql = "SELECT bucket, state FROM bagstore_owned WHERE bucket IN ({})"
-            states: dict[int, int] = {}
-            for start in range(0, len(wanted), 1000):
-                some = wanted[start : start + 1000]
-                cur.execute(sql.format(self.dialect.params(len(some))), some)
-                states.update({int(b): int(st) for b, st in cur.fetchall()})
-            error = ownership_error(self.name, wanted, states)
-            assert error is not None, f"{owned} of {len(wanted)} buckets owned, states {states}"
-            raise error
+        if owned != len(wanted):  # not all held: which buckets, and why
+            error = ownership_error(self.name, wanted, self.bucket_states(wanted))
+            raise error or StalePlacement(  # one became owned since: not locked here
+                f"shard {self.name}: a bucket's ownership changed during a write",
+                buckets=tuple(wanted),
+            )
         return found
 
     def delete_entities(

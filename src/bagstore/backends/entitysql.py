@@ -22,6 +22,10 @@ class EntitySQL:
     param: ClassVar[str]
     for_update: ClassVar[str]
     share_lock: ClassVar[str]
+    #: the clause that turns an insert of entities into an upsert on ``id``
+    upsert_on_id: ClassVar[str]
+    #: the larger of two values
+    greatest: ClassVar[str]
 
     def q(self, name: str) -> str:
         raise NotImplementedError
@@ -35,16 +39,34 @@ class EntitySQL:
     def create_entities_sql(self, kind: str) -> list[str]:
         raise NotImplementedError
 
+    def excluded(self, column: str) -> str:
+        """The value an upsert's conflicting row was given for ``column``
+        (``VALUES(c)``, ``excluded.c``)."""
+        raise NotImplementedError
+
+    def _entities_upsert(self, kind: str, rows: int, version: str, on_conflict: str) -> str:
+        """Upsert ``rows`` rows ``(id, bucket, updated, <version>, body)`` of
+        ``kind``; a row that exists takes the new bucket, updated and body, and
+        ``on_conflict`` as its version."""
+        p, x = self.param, self.excluded
+        values = ", ".join([f"({p}, {p}, {p}, {version}, {p})"] * rows)
+        return (
+            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
+            f"{self.upsert_on_id} bucket = {x('bucket')}, updated = {x('updated')}, "
+            f"version = {on_conflict}, body = {x('body')}"
+        )
+
     def upsert_entities_sql(self, kind: str, rows: int) -> str:
         """Upsert rows ``(id, bucket, updated, body)``, counting ``version`` up
         by one (a hand-written writer's statement: the benchmarks' raw side)."""
-        raise NotImplementedError
+        return self._entities_upsert(kind, rows, "1", "version + 1")
 
     def write_entities_sql(self, kind: str, rows: int) -> str:
         """Upsert rows ``(id, bucket, updated, version, body)``; a row that
         exists gets the larger of its version + 1 and the one given (bagstore's
         writes: see :mod:`bagstore.versions`)."""
-        raise NotImplementedError
+        new = self.excluded("version")
+        return self._entities_upsert(kind, rows, self.param, f"{self.greatest}(version + 1, {new})")
 
     def put_one_sql(self, kind: str, returning: bool = True) -> str | None:
         """One statement that upserts one entity (named parameters ``id,
@@ -113,7 +135,7 @@ class EntitySQL:
 
     def copy_entities_sql(self, kind: str, rows: int) -> str:
         """Upsert rows ``(id, bucket, updated, version, body)`` keeping their version."""
-        raise NotImplementedError
+        return self._entities_upsert(kind, rows, self.param, self.excluded("version"))
 
     def delete_entities_sql(self, kind: str, n: int) -> str:
         cond = f" = {self.param}" if n == 1 else f" IN ({self.params(n)})"

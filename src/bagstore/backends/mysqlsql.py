@@ -33,6 +33,8 @@ class MySQLDialect(Dialect):
     quote_char: ClassVar[str] = "`"
     for_update: ClassVar[str] = " FOR UPDATE"
     share_lock: ClassVar[str] = " LOCK IN SHARE MODE"
+    upsert_on_id: ClassVar[str] = "ON DUPLICATE KEY UPDATE"
+    greatest: ClassVar[str] = "GREATEST"
     begin_write: ClassVar[str] = "BEGIN"
     key_type: ClassVar[str] = "VARBINARY(255)"
     id_type: ClassVar[str] = "BINARY(16)"
@@ -144,13 +146,8 @@ class MySQLDialect(Dialect):
             sql += f" ON DUPLICATE KEY UPDATE {first} = {first}"
         return sql
 
-    def copy_entities_sql(self, kind: str, rows: int) -> str:
-        values = ", ".join(["(%s, %s, %s, %s, %s)"] * rows)
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
-            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
-            "version = VALUES(version), body = VALUES(body)"
-        )
+    def excluded(self, column: str) -> str:
+        return f"VALUES({column})"
 
     def widen_version_sql(self, kind: str) -> list[str]:
         return [f"ALTER TABLE {self.q(kind)} MODIFY version BIGINT UNSIGNED NOT NULL DEFAULT 1"]
@@ -178,20 +175,4 @@ class MySQLDialect(Dialect):
             f"{'SELECT v; ' if returning else ''}"
             f"ELSE ROLLBACK; SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = '{NOT_OWNED}'; "
             "END IF; END"
-        )
-
-    def write_entities_sql(self, kind: str, rows: int) -> str:
-        values = ", ".join(["(%s, %s, %s, %s, %s)"] * rows)
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
-            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
-            "version = GREATEST(version + 1, VALUES(version)), body = VALUES(body)"
-        )
-
-    def upsert_entities_sql(self, kind: str, rows: int) -> str:
-        values = ", ".join(["(%s, %s, %s, 1, %s)"] * rows)
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
-            "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
-            "version = version + 1, body = VALUES(body)"
         )

@@ -79,10 +79,6 @@ class Pipeline:
         while self.cur.nextset():
             pass
 
-    def discard(self) -> None:
-        """Forget the held statements (the transaction is being rolled back)."""
-        self._held = []
-
     @property
     def rowcount(self) -> int:
         return int(self.cur.rowcount)
@@ -94,5 +90,5 @@ class Pipeline:
         return self.cur.fetchall()
 
     def close(self) -> None:
-        self._held = []
+        self._held = []  # never sent: a transaction rolled back drops them
         self.cur.close()

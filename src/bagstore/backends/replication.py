@@ -26,7 +26,16 @@ from typing import Any
 from bagstore.backends.mysql import MySQLBackend
 from bagstore.errors import BackendError, ConfigurationError
 
-__all__ = ["Role", "ServerState", "Servers", "ahead", "gtid_wait", "replica_lag", "seqs"]
+__all__ = [
+    "Role",
+    "ServerState",
+    "Servers",
+    "ahead",
+    "gtid_wait",
+    "replica_lag",
+    "seqs",
+    "show_slave_status",
+]
 
 _NO_TABLE = 1146
 _NO_DATABASE = 1049
@@ -205,20 +214,7 @@ class Servers:
         """``SHOW SLAVE STATUS`` as a dict ({} when not a replica)."""
         b = self.at(address)
         try:
-
-            def work(conn: Any) -> dict[str, Any]:
-                cur = conn.cursor()
-                try:
-                    cur.execute("SHOW SLAVE STATUS")
-                    row = cur.fetchone()
-                    names = [d[0] for d in cur.description or ()]
-                finally:
-                    cur.close()
-                return (
-                    {} if row is None else {n: _plain(v) for n, v in zip(names, row, strict=True)}
-                )
-
-            return b.run(work, attempts=1)
+            return show_slave_status(b, attempts=1)
         finally:
             b.close()
 
@@ -381,7 +377,15 @@ def replica_lag(replica: MySQLBackend) -> float | None:
     """``Seconds_Behind_Master`` of a replica (None: not replicating, its SQL
     thread stopped or its primary unreachable); needs SLAVE MONITOR."""
 
-    def work(conn: Any) -> Any:
+    lag = show_slave_status(replica).get("Seconds_Behind_Master")
+    return None if lag is None else float(lag)
+
+
+def show_slave_status(server: MySQLBackend, attempts: int = 5) -> dict[str, Any]:
+    """``SHOW SLAVE STATUS`` of ``server`` as a dict of plain values ({} when
+    it is not a replica)."""
+
+    def work(conn: Any) -> dict[str, Any]:
         cur = conn.cursor()
         try:
             cur.execute("SHOW SLAVE STATUS")
@@ -389,11 +393,9 @@ def replica_lag(replica: MySQLBackend) -> float | None:
             names = [d[0] for d in cur.description or ()]
         finally:
             cur.close()
-        return None if row is None else dict(zip(names, row, strict=True))
+        return {} if row is None else {n: _plain(v) for n, v in zip(names, row, strict=True)}
 
-    status = replica.run(work)
-    lag = None if status is None else status.get("Seconds_Behind_Master")
-    return None if lag is None else float(lag)
+    return server.run(work, attempts=attempts)
 
 
 def ahead(a: str, b: str) -> bool:

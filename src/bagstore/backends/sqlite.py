@@ -106,6 +106,8 @@ class SQLiteDialect(Dialect):
     param: ClassVar[str] = "?"
     quote_char: ClassVar[str] = '"'
     for_update: ClassVar[str] = ""  # BEGIN IMMEDIATE already holds the write lock
+    upsert_on_id: ClassVar[str] = "ON CONFLICT(id) DO UPDATE SET"
+    greatest: ClassVar[str] = "MAX"
     begin_write: ClassVar[str] = "BEGIN IMMEDIATE"
 
     def create_catalog_sql(self) -> list[str]:
@@ -183,13 +185,8 @@ class SQLiteDialect(Dialect):
         verb = "INSERT OR IGNORE" if ignore else "INSERT"
         return f"{verb} INTO {self.q(table)} ({cols}) {self._fenced_select(columns, rows)}"
 
-    def copy_entities_sql(self, kind: str, rows: int) -> str:
-        values = ", ".join(["(?, ?, ?, ?, ?)"] * rows)
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
-            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
-            "updated = excluded.updated, version = excluded.version, body = excluded.body"
-        )
+    def excluded(self, column: str) -> str:
+        return f"excluded.{column}"
 
     def put_one_sql(self, kind: str, returning: bool = True) -> str | None:
         # The version's clock is read inside the statement, under the file's
@@ -203,23 +200,6 @@ class SQLiteDialect(Dialect):
             "WHERE bucket = :bucket AND state = 0 "
             "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, updated = excluded.updated, "
             "version = MAX(version + 1, excluded.version), body = excluded.body RETURNING version"
-        )
-
-    def write_entities_sql(self, kind: str, rows: int) -> str:
-        values = ", ".join(["(?, ?, ?, ?, ?)"] * rows)
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
-            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
-            "updated = excluded.updated, version = MAX(version + 1, excluded.version), "
-            "body = excluded.body"
-        )
-
-    def upsert_entities_sql(self, kind: str, rows: int) -> str:
-        values = ", ".join(["(?, ?, ?, 1, ?)"] * rows)
-        return (
-            f"INSERT INTO {self.q(kind)} (id, bucket, updated, version, body) VALUES {values} "
-            "ON CONFLICT(id) DO UPDATE SET bucket = excluded.bucket, "
-            "updated = excluded.updated, version = version + 1, body = excluded.body"
         )
 
 
@@ -264,9 +244,7 @@ class SQLiteBackend(Backend):
         per read costs ~0.5 us of a ~6 us read).  A lookup by primary key
         leaves no statement open: ``fetchone`` steps past the only row, which
         resets it."""
-        sql = self._point_sql.get(kind)
-        if sql is None:
-            sql = self._point_sql[kind] = self.dialect.select_bodies_sql(kind, 1, stamps=False)
+        sql = self.point_read_sql(kind)
         local = self._local
         cur: sqlite3.Cursor | None = getattr(local, "cur", None)
         if cur is None or local.busy:  # first use, or inside a unit of work
