@@ -315,7 +315,10 @@ def _urls(store: Path) -> st.SearchStrategy[str]:
         plain.map(lambda t: f"sqlite:///{store.parent}/{t.replace('/', '_')[:20]}.db"),
         plain.map(lambda t: f"sqlite:{t}"),
         plain.map(lambda t: f"mysql://root@127.0.0.1:1/{t}?connect_timeout=1"),
-        st.sampled_from(["sqlite:///", "sqlite://", "mysql://", "sqlite:////nonexistent/x/y.db"]),
+        # (a bare "mysql://" means the local server's default database: a real one)
+        st.sampled_from(
+            ["sqlite:///", "sqlite://", "mysql://127.0.0.1:1", "sqlite:////nonexistent/x/y.db"]
+        ),
     )
 
 
