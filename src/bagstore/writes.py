@@ -38,6 +38,7 @@ from bagstore.errors import (
 )
 from bagstore.ids import new_id
 from bagstore.indexer import Change, Claim, Indexer
+from bagstore.putone import put_one
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
@@ -112,8 +113,11 @@ class Writes:
         """Store entities; with ``expect`` (``{id: version}``, checked by the
         caller: see :mod:`bagstore.conditional`) only on the shards where every
         entity has the version expected, raising ``Conflict`` for the rest."""
-        if expect and len(entities) == 1 and self._alone():
-            done = self._update_one(entities[0], expect)
+        if len(entities) == 1:
+            if expect is None:
+                done = put_one(self, entities[0])
+            else:
+                done = self._update_one(entities[0], expect) if self._alone() else None
             if done is not None:
                 return [done]
         prepared = [self.row(e) for e in entities]

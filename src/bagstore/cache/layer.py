@@ -362,6 +362,11 @@ class CacheLayer(PageReads):
         return out
 
     # -- writes ----------------------------------------------------------------------
+    def idle(self) -> bool:
+        """Whether a write has nothing to tell this layer: no shared level and
+        no request's level 1 open (its bookkeeping after a commit does nothing)."""
+        return self.cache is None and _current.get() is None
+
     def before_write(self, ids: Sequence[bytes]) -> None:
         """Before a write: lease the entities' keys with markers no version can
         replace, so that a writer dying between its commit and its invalidation

@@ -1,0 +1,103 @@
+"""The put of one entity whose whole write is one transaction on one shard.
+
+Most puts are one entity of a kind placed by its id, on a store whose index
+rows live on the entity's shard (every store of one shard: the embedded
+default, a one-server store).  Such a put needs none of the general write
+path's machinery (:mod:`bagstore.writes`): no unique claims made before the
+entity, no lookup row, no entity moving between shards, no rows left to
+write after the commit, one shard to group by.  :func:`put_one` writes it
+straight: validate and encode, one ``put_entities`` transaction holding the
+entity and its index rows (the old body read and the rows diffed under the
+row's lock, as :mod:`bagstore.colocated` does), then the cache's
+bookkeeping.  The statements are the general path's; what goes is its
+per-call Python (the general path costs a single put about as much CPU
+again as the SQL does on SQLite).
+
+It returns None, having written nothing, when the put is not of that shape
+or the shard refused it (a bucket moved or frozen): the general path then
+does the whole write, with its refresh and waits.
+
+    >>> import bagstore, tempfile
+    >>> by_user = bagstore.Index(table="posts_by_user", properties=["user_id"])
+    >>> ds = bagstore.open(tempfile.mkdtemp(), shards=1, kind="posts", indexes=[by_user])
+    >>> post = {"user_id": 7, "title": "hello"}
+    >>> put_one(ds._writes, post) == post["id"]
+    True
+    >>> [p["title"] for p in by_user.get_all(ds, user_id=7)]
+    ['hello']
+    >>> ds.close()
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from bagstore import codec, testing
+from bagstore.errors import KeyMigrating, StalePlacement
+from bagstore.indexer import Change, Indexer
+
+if TYPE_CHECKING:
+    from bagstore.writes import Writes
+
+__all__ = ["put_one"]
+
+
+def put_one(writes: Writes, entity: Any) -> bytes | None:
+    """Store one entity by the short path if its put is one transaction on
+    one shard; its id, or None (nothing written) to leave it to the general
+    path.  Raises what the general path raises for bad input."""
+    if writes.placer.keyed:  # a lookup row, maybe a move between shards
+        return None
+    registry = writes.registry()
+    indexes = registry.maintained()
+    topology = writes.router.topology
+    if indexes and (topology.sole_shard is None or any(i.unique for i in indexes)):
+        return None  # rows on other shards, or claims before the entity
+    row, fresh = writes.row(entity)
+    entity_id = row.id
+    buckets = writes.buckets
+    new_rows = {i.table: i.rows_for(entity, entity_id, buckets) for i in indexes}
+    cache = writes.cache
+    leases = cache.cache is not None  # a shared cache level to lease keys in
+    if leases:
+        cache.before_write([entity_id])
+    backend = topology.backend_of(row.bucket)
+    versions: dict[bytes, int] = {}
+    made: list[list[Change]] = []  # the index diff, made under the row's lock
+    within = fence = None
+    if indexes:
+        fence = frozenset(r.bucket for rows in new_rows.values() for r in rows)
+
+        def within(cur: Any, old: dict[bytes, bytes | None]) -> None:
+            body = old.get(entity_id)
+            prev = codec.decode(body) if body is not None else None
+            diff = Indexer.diff(indexes, new_rows, prev, entity_id, buckets)
+            made[:] = [diff]  # (a transaction run again makes it again)
+            Indexer.write_in(backend, cur, diff, fence)
+
+    testing.hit("put.before_entity")
+    try:
+        backend.put_entities(
+            writes.kind,
+            [row],
+            read_old=bool(indexes),
+            versions=versions if leases else None,  # (only the shared level's markers)
+            within=within,
+            fence=fence or (),
+        )
+    except StalePlacement as exc:  # rolled back: learn where the bucket is now,
+        writes.router.refresh_refused(exc.buckets)  # and the general path writes there
+        return None
+    except KeyMigrating:
+        return None  # rolled back: the general path waits for the move
+    testing.hit("put.after_entity")
+    idle = cache.idle()
+    if not idle:
+        cache.puts_committed([row], versions, writes.fetch_many)
+    if indexes:
+        testing.hit("put.after_index_delete")  # (every row is written already)
+        if not idle:
+            cache.rows_written(made[0] if made else [], (), registry)
+    if fresh:
+        entity["id"] = entity_id
+    return entity_id

@@ -1,0 +1,125 @@
+"""The short put (bagstore.putone): one entity whose whole write is one
+transaction on one shard skips the general path's grouping, and writes what
+the general path writes; other puts keep the general path."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+import bagstore
+from bagstore import testing
+from bagstore.sharding.router import Router
+from tests.conftest import Topology
+
+BY_USER = bagstore.Index(table="posts_by_user", properties=["user_id"])
+BY_EMAIL = bagstore.Index(table="posts_by_email", properties=["email"], unique=True)
+
+
+@pytest.fixture
+def grouped(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many writes went through the router's grouping by shard (the
+    general path), counted."""
+    calls: list[int] = []
+    original = Router.by_bucket
+
+    def counting(self: Router, *args: Any) -> Any:
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(Router, "by_bucket", counting)
+    return calls
+
+
+def _one_shard(topo: Topology, **kwargs: Any) -> bagstore.Datastore:
+    ds = bagstore.Datastore(topo.urls[:1], kind="posts", **kwargs)
+    topo._open.append(ds)
+    return ds
+
+
+def test_a_one_shard_put_is_one_transaction_and_keeps_its_index(
+    topo: Topology, grouped: list[int]
+) -> None:
+    ds = _one_shard(topo, indexes=[BY_USER])
+    post = {"user_id": 1, "title": "a"}
+    entity_id = ds.put(post)
+    assert post["id"] == entity_id  # a new id is set in the dict, as by the general path
+    ds.put({"id": entity_id, "user_id": 2, "title": "b"})  # the old row goes, the new comes
+    assert grouped == []
+    assert BY_USER.get_all(ds, user_id=1) == []
+    assert BY_USER.get_all(ds, user_id=2) == [{"id": entity_id, "user_id": 2, "title": "b"}]
+    got = ds.get_with_version(entity_id)
+    assert got is not None and got[1] > 0
+    report = ds.check()
+    assert (report["missing"], report["stale"]) == (0, 0)
+
+
+def test_a_crash_after_the_short_put_leaves_entity_and_row_together(
+    topo: Topology, grouped: list[int]
+) -> None:
+    ds = _one_shard(topo, indexes=[BY_USER])
+    with testing.failpoint("put.after_entity"), pytest.raises(testing.SimulatedCrash):
+        ds.put({"id": bytes(range(16)), "user_id": 5})
+    with testing.failpoint("put.before_entity"), pytest.raises(testing.SimulatedCrash):
+        ds.put({"id": bytes(range(1, 17)), "user_id": 6})
+    assert grouped == []
+    assert [e["id"] for e in BY_USER.get_all(ds, user_id=5)] == [bytes(range(16))]
+    assert ds.get(bytes(range(1, 17))) is None and BY_USER.get_all(ds, user_id=6) == []
+    report = ds.check()
+    assert (report["missing"], report["stale"]) == (0, 0)
+
+
+def test_bad_input_on_the_short_path_changes_nothing(topo: Topology) -> None:
+    ds = _one_shard(topo, indexes=[BY_USER], max_body_bytes=1000)
+    for bad in (
+        {"id": b"short"},
+        {"blob": os.urandom(2000)},
+        {"when": object()},
+        ["not", "a", "dict"],
+    ):
+        with pytest.raises(bagstore.InvalidEntity):
+            ds.put(bad)  # type: ignore[arg-type]
+    assert ds.count() == 0 and ds.check()["indexes"]["posts_by_user"]["stale"] == 0
+
+
+@pytest.mark.parametrize("shape", ["unique", "keyed", "spread index", "put_many", "expect"])
+def test_other_puts_keep_the_general_path(topo: Topology, grouped: list[int], shape: str) -> None:
+    if shape == "unique":
+        ds = _one_shard(topo, indexes=[BY_EMAIL])
+    elif shape == "keyed":
+        ds = topo.open(kind="posts", shard_key="user_id")
+    elif shape == "spread index":
+        ds = topo.open(kind="posts", indexes=[BY_USER])  # rows on other shards
+    else:
+        ds = _one_shard(topo, indexes=[BY_USER])
+    post = {"user_id": 1, "email": "a@example.com"}
+    if shape == "put_many":
+        ds.put_many([post, {"user_id": 2}])  # (a put_many of one is a put)
+    elif shape == "expect":
+        ds.put(post, expect_version=0)
+    else:
+        ds.put(post)
+    assert grouped, "the general path was not taken"
+    assert ds.get(post["id"]) == post
+    report = ds.check()
+    assert (report["missing"], report["stale"]) == (0, 0)
+
+
+def test_a_put_without_indexes_takes_the_short_path_on_many_shards(
+    topo: Topology, grouped: list[int]
+) -> None:
+    ds = topo.open(kind="posts")
+    ids = [ds.put({"n": n}) for n in range(20)]
+    assert grouped == []
+    assert [e["n"] for e in ds.get_many(ids)] == list(range(20))  # type: ignore[index]
+
+
+def test_the_module_doctest_runs() -> None:
+    import doctest
+
+    from bagstore import putone
+
+    failed, attempted = doctest.testmod(putone)
+    assert (failed, attempted) == (0, 7)
