@@ -321,3 +321,26 @@ def test_a_conditional_put_from_a_stale_placement_is_fenced(topo: Topology) -> N
     assert admin.router.backends[source].get_bodies("entities", [entity_id]) == {}
     with pytest.raises(bagstore.Conflict):
         stale.put({"id": entity_id, "n": 3}, expect_version=version)
+
+
+def test_a_copy_left_by_a_move_never_passes_for_a_conflict(topo: Topology) -> None:
+    """A move that stopped after the switch leaves the old shard's copy; a
+    process that missed the move is refused there (the bucket is not owned)
+    and, finding the copy at the version it expected, writes where the
+    bucket is now: a conflict only where another version was found."""
+    from bagstore import testing
+
+    stale = topo.open(buckets=16, refresh_interval=3600)
+    admin = topo.open()
+    entity_id = stale.put({"n": 1})
+    bucket = bucket_of(entity_id, 16)
+    source = stale.placement.shard_of_bucket[bucket]
+    _, version = stale.get_with_version(entity_id)  # type: ignore[misc]
+    with testing.failpoint("move.after_switch"), pytest.raises(testing.SimulatedCrash):
+        admin.move_buckets([bucket], to=(source + 1) % 4, grace=0)
+    assert admin.router.backends[source].get_bodies("entities", [entity_id])  # the copy left
+    stale.put({"id": entity_id, "n": 2}, expect_version=version)
+    assert admin.get(entity_id) == {"id": entity_id, "n": 2}
+    with pytest.raises(bagstore.Conflict) as refused:
+        stale.put({"id": entity_id, "n": 3}, expect_version=version)
+    assert refused.value.found > version

@@ -295,9 +295,12 @@ class Writes:
 
     def _update_one(self, entity: dict[str, Any], expect: Mapping[bytes, int]) -> bytes | None:
         """A conditional put of one existing entity that is its row alone: one
-        fenced ``UPDATE ... WHERE version = expected``.  None if it changed
-        nothing (then the whole write path finds out why: a conflict, a moved
-        bucket)."""
+        fenced ``UPDATE ... WHERE version = expected``.  If it changed nothing,
+        the row is read: at another version, that is the ``Conflict``; else
+        (no row, or a bucket not owned) None, and the whole write path finds
+        out why.  (A copy left on a shard that let the bucket go takes no
+        write, so its version is still the one expected: it never passes
+        for a conflict.)"""
         row, fresh = self.row(entity)
         expected = expect.get(row.id, 0)
         if fresh or expected <= 0:
@@ -307,9 +310,13 @@ class Writes:
         backend = self.router.topology.backend_of(row.bucket)
         testing.hit("put.before_entity")
         if not backend.update_if(self.kind, row, expected, versions, moves=False):
+            found = backend.read_bodies(self.kind, [row.id], stamps=True)
+            if found and int(found[0][2]) != expected:
+                raise conflict({row.id: int(found[0][2])}, [], "put")
             return None
         testing.hit("put.after_entity")
-        self.cache.puts_committed([row], versions, self.fetch_many)
+        if not self.cache.idle():
+            self.cache.puts_committed([row], versions, self.fetch_many)
         return row.id
 
     def _beside(self, bucket: int, other: int) -> bool:
