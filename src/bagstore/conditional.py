@@ -121,16 +121,16 @@ class Conditional:
         self,
         writes: Writes,
         placer: Placer,
-        fetch_many: Callable[[list[bytes]], dict[bytes, Stored]],
+        fetch_one: Callable[[bytes], Stored | None],
     ) -> None:
         self.writes = writes
         self.placer = placer
-        #: rows as their shards hold them now, past every cache level
-        self.fetch_many = fetch_many
+        #: a row as its shard holds it now, past every cache level
+        self.fetch_one = fetch_one
 
     def get_with_version(self, entity_id: bytes) -> tuple[dict[str, Any], int] | None:
         """``(entity, version)`` as the shard holding it has it now, or None."""
-        stored = self.fetch_many([entity_id]).get(entity_id)
+        stored = self.fetch_one(entity_id)
         return None if stored is None else (codec.decode(stored.body), stored.version)
 
     def _read_settled(self, entity_id: bytes) -> tuple[bytes, int] | None:

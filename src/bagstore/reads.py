@@ -149,7 +149,15 @@ class Reads:
         return self.cache.get_many(wanted, self.fetch_many)
 
     def fetch_stored(self, entity_id: bytes) -> Stored | None:
-        return self.fetch_many([entity_id]).get(entity_id)
+        """One entity's row as its shard holds it now (never a cache nor a
+        replica), or None: where the id names the bucket, one statement on
+        that bucket's shard."""
+        by_bucket = self.router.topology.backend_by_bucket
+        if self.placer.keyed or not by_bucket:
+            return self.fetch_many([entity_id]).get(entity_id)
+        backend = by_bucket[bucket_of(entity_id, len(by_bucket))]
+        rows = backend.read_bodies(self.kind, [entity_id], stamps=True)
+        return Stored(rows[0][1], rows[0][2], rows[0][3]) if rows else None
 
     def fetch_many(self, ids: Iterable[bytes]) -> dict[bytes, Stored]:
         """``{id: Stored}`` of the ids that exist, as their shards hold them now
