@@ -70,7 +70,8 @@ class Colocated:
         self.kind = kind
         #: the indexes written here: those that are not unique
         self.plain = [i for i in plain if not i.unique]
-        #: ``{entity id: index rows written in its transaction}``
+        #: ``{entity id: index rows written in its transaction}`` (for those
+        #: in ``whole``: every row of its ``diffs``)
         self.inside: dict[bytes, set[IndexRow]] = {}
         #: ``{entity id: its changes of the indexes written here}``, wherever
         #: the rows live (the whole diff, computed from the body read in the
@@ -136,10 +137,9 @@ class Colocated:
                     prev = codec.decode(body) if body is not None else None
                     new = new_rows[i] if new_rows is not None else {}
                     diff = self.diffs[i] = Indexer.diff(self.plain, new, prev, i, buckets)
-                    if alone:
+                    if alone:  # (its rows written here are those of its diff: see rest)
                         changes += diff
                         self.whole.add(i)
-                        self.inside[i] = {r for ch in diff for r in (*ch.delete, *ch.insert)}
                         continue
                     for ch in diff:
                         delete = {r for r in ch.delete if here(r.bucket)}
@@ -176,9 +176,12 @@ class Colocated:
 
     def rest(self, changes: Sequence[Change], entity_id: bytes) -> list[Change]:
         """``changes`` of one entity without the rows written in its transaction."""
-        if entity_id in self.whole and all(not ch.index.unique for ch in changes):
-            return []
-        done = self.inside.get(entity_id)
+        if entity_id in self.whole:
+            if all(not ch.index.unique for ch in changes):
+                return []
+            done = {r for ch in self.diffs[entity_id] for r in (*ch.delete, *ch.insert)}
+        else:
+            done = self.inside.get(entity_id, set())
         if not done:
             return list(changes)
         out = []

@@ -113,6 +113,11 @@ class Indexer:
         stamps = [t for t in (stamp, old_stamp) if t is not None]
         bound = max(stamps) if stamps else None
         for index in indexes:
+            if old is None and not index.unique:  # (a new entity: its rows, all)
+                gained = new_rows.get(index.table)
+                if gained:
+                    changes.append(Change(index, set(), set(gained)))
+                continue
             before = index.rows_or_none(old, entity_id, buckets)
             after = new_rows.get(index.table, set())
             insert = after - before

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from bagstore import codec, testing
 from bagstore.backends import EntityRow, Stored
@@ -38,11 +38,13 @@ from bagstore.errors import (
 )
 from bagstore.ids import new_id
 from bagstore.indexer import Change, Claim, Indexer
+from bagstore.sharding.hashing import bucket_list
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
+    from bagstore.backends.indexsql import IndexRow
     from bagstore.cache.layer import CacheLayer
-    from bagstore.index import Registry
+    from bagstore.index import Index, Registry
     from bagstore.sharding.placer import Placer
     from bagstore.sharding.router import Router
 
@@ -88,6 +90,29 @@ class Writes:
 
     def row(self, entity: object) -> tuple[EntityRow, bool]:
         """Validate and encode one entity; returns the row and whether the id is new."""
+        entity_id, body, fresh = self._body(entity)
+        bucket = self.placer.entity_bucket(cast("dict[str, Any]", entity), entity_id)
+        row = EntityRow(entity_id, bucket, time.time_ns() // 1000, body)
+        return row, fresh
+
+    def rows_of(self, entities: list[dict[str, Any]]) -> list[tuple[bytes, int, bytes, bool]]:
+        """:meth:`row` of each entity, as ``(id, bucket, body, fresh)`` (the
+        stamp is the write's, taken later): the same checks in the same order,
+        the buckets of a kind placed by id hashed in one loop."""
+        body_of, keyed = self._body, self.placer.shard_key is not None
+        entity_bucket = self.placer.entity_bucket
+        out: list[tuple[bytes, int, bytes, bool]] = []
+        append = out.append
+        for entity in entities:
+            entity_id, body, fresh = body_of(entity)
+            append((entity_id, entity_bucket(entity, entity_id) if keyed else -1, body, fresh))
+        if keyed:
+            return out
+        hashed = bucket_list([r[0] for r in out], self.router.placement.buckets)
+        return [(r[0], b, r[2], r[3]) for r, b in zip(out, hashed, strict=True)]
+
+    def _body(self, entity: object) -> tuple[bytes, bytes, bool]:
+        """Validate and encode one entity: its id, its body, whether the id is new."""
         if not isinstance(entity, dict):
             raise InvalidEntity(f"an entity must be a dict, not {type(entity).__name__}")
         fresh = "id" not in entity or entity["id"] is None
@@ -102,9 +127,7 @@ class Writes:
                 f"entity {entity_id.hex()} is {len(body)} bytes encoded, over the store's "
                 f"limit of {self.max_body_bytes} bytes (max_body_bytes)"
             )
-        bucket = self.placer.entity_bucket(entity, entity_id)
-        row = EntityRow(entity_id, bucket, time.time_ns() // 1000, body)
-        return row, fresh
+        return entity_id, body, fresh
 
     def put(
         self, entities: list[dict[str, Any]], expect: Mapping[bytes, int] | None = None
@@ -116,15 +139,11 @@ class Writes:
             done = self._update_one(entities[0], expect)
             if done is not None:
                 return [done]
-        prepared = [self.row(e) for e in entities]
+        prepared = self.rows_of(entities)
         indexes = self.registry().maintained()
-        last: dict[bytes, tuple[EntityRow, dict[str, Any]]] = {}
-        for (row, _), entity in zip(prepared, entities, strict=True):
-            last[row.id] = (row, entity)
-        new_rows = {
-            entity_id: {i.table: i.rows_for(entity, entity_id, self.buckets) for i in indexes}
-            for entity_id, (_, entity) in last.items()
-        }
+        # {id: (bucket, body, entity)}, the last of an id (at its first place)
+        last = {p[0]: (p[1], p[2], e) for p, e in zip(prepared, entities, strict=True)}
+        new_rows = self.index_rows(indexes, last)
         claimed = self.indexer.claim_all(
             [
                 Claim(i, r)
@@ -142,13 +161,13 @@ class Writes:
         moved = [
             (i, b)
             for i, b in prior.items()
-            if b != last[i][0].bucket and shard_of[b] != shard_of[last[i][0].bucket]
+            if b != last[i][0] and shard_of[b] != shard_of[last[i][0]]
         ]
-        recorded = {
-            i: row.bucket
-            for i, (row, _) in last.items()
-            if self.placer.keyed and prior.get(i) != row.bucket
-        }
+        recorded = (
+            {i: b for i, (b, _, _) in last.items() if prior.get(i) != b}
+            if self.placer.keyed
+            else {}
+        )
         # A lookup row on the entity's shard goes into its transaction; the
         # others are written first, as the entity's index rows elsewhere after.
         ahead = {i: b for i, b in recorded.items() if not self._beside(self.placer.id_bucket(i), b)}
@@ -164,7 +183,7 @@ class Writes:
         # Stamped after the claims: a claim newer than its owner's `updated`
         # marks a write still in flight (see Indexer._claim).
         now = time.time_ns() // 1000
-        rows = [EntityRow(row.id, row.bucket, now, row.body) for row, _ in last.values()]
+        rows = [EntityRow(i, b, now, body) for i, (b, body, _) in last.items()]
         stamps: dict[bytes, int] = {}  # the `updated` of the rows replaced
         refused: dict[bytes, int] = {}  # conditional: {id: version found}
         unwritten: set[bytes] = set()  # conditional: the refused shards' ids
@@ -254,10 +273,15 @@ class Writes:
             rest: list[Change] = []  # those not written in the entity's transaction
             # the diffs made in the transactions serve when no index is unique
             known = together.diffs if together.plain == indexes else {}
+            # every row of an entity in `whole` was written in its transaction
+            whole = together.whole if known else frozenset()
             for entity_id in last:
                 if entity_id in unwritten:
                     continue
                 mine = known.get(entity_id)
+                if mine is not None and entity_id in whole:
+                    changes += mine
+                    continue
                 if mine is None:
                     body = old_bodies.get(entity_id)
                     old = codec.decode(body) if body is not None else None
@@ -275,12 +299,26 @@ class Writes:
                 rest += together.rest(mine, entity_id)
             self.indexer.apply(rest, failpoint="put.after_index_delete")
             self.cache.rows_written(changes, claimed, self.registry())
-        for entity, (row, fresh) in zip(entities, prepared, strict=True):
-            if fresh and row.id not in unwritten:
-                entity["id"] = row.id
+        for entity, (entity_id, _, _, fresh) in zip(entities, prepared, strict=True):
+            if fresh and entity_id not in unwritten:
+                entity["id"] = entity_id
         if unwritten:
             raise conflict(refused, [r.id for r in rows], "put")
-        return [row.id for row, _ in prepared]
+        return [p[0] for p in prepared]
+
+    def index_rows(
+        self, indexes: list[Index], last: Mapping[bytes, tuple[int, bytes, dict[str, Any]]]
+    ) -> dict[bytes, dict[str, set[IndexRow]]]:
+        """``{id: {table: the entity's index rows}}``, an index at a time."""
+        pairs = [(i, e) for i, (_, _, e) in last.items()]
+        out: dict[bytes, dict[str, set[IndexRow]]] = {i: {} for i in last}
+        for index in indexes:
+            table = index.table
+            for (entity_id, _), made in zip(
+                pairs, index.rows_for_many(pairs, self.buckets), strict=True
+            ):
+                out[entity_id][table] = made
+        return out
 
     def _alone(self) -> bool:
         """Whether an entity's write is its row alone: no index to maintain, no
