@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, cast
 
 from bagstore import codec, testing
@@ -233,7 +234,7 @@ class Writes:
 
         try:
             versions: dict[bytes, int] = {}  # new versions, for the cache's markers
-            olds = self.router.by_bucket(rows, lambda r: r.bucket, write)
+            olds = self.router.by_bucket(rows, attrgetter("bucket"), write)
         except Exception as exc:
             # Some shards may have committed: give back only the claims whose
             # entity does not hold the value now.  Not after a timeout (reading
