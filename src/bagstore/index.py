@@ -199,7 +199,7 @@ class Index:
         """``[rows_for(entity, entity_id, buckets) for entity_id, entity in
         entities]``, a step at a time over the whole batch (a ``put_many``'s):
         the same rows and the same errors."""
-        if len(self.properties) != 1:
+        if len(self.properties) != 1 or len(entities) == 1:
             return [self.rows_for(e, i, buckets) for i, e in entities]
         prop = self.properties[0]
         values = [e.get(prop) for _, e in entities]

@@ -2,8 +2,8 @@
 
 A put, in order (docs/consistency.md tells why each step comes where it does):
 
-1. :meth:`Writes.row` validates and encodes each entity; the placer names its
-   bucket.
+1. :meth:`Writes.rows_of` validates and encodes each entity; the placer names
+   its bucket.
 2. The indexer claims its unique values (each claim a fenced statement on the
    shard owning the value's bucket, through :meth:`Router.on_bucket`).
 3. The placer records ``id -> bucket`` for kinds placed by a shard key.
@@ -121,7 +121,9 @@ class Writes:
             entity_id = new_id()
             body = codec.encode({**entity, "id": entity_id})
         else:
-            entity_id = check_id(entity["id"], InvalidEntity)
+            entity_id = entity["id"]
+            if type(entity_id) is not bytes or len(entity_id) != 16:
+                entity_id = check_id(entity_id, InvalidEntity)
             body = codec.encode(entity)
         if len(body) > self.max_body_bytes:
             raise InvalidEntity(
