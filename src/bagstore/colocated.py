@@ -70,7 +70,8 @@ class Colocated:
         self.kind = kind
         #: the indexes written here: those that are not unique
         self.plain = [i for i in plain if not i.unique]
-        #: ``{entity id: index rows written in its transaction}``
+        #: ``{entity id: index rows written in its transaction}`` (for those
+        #: in ``whole``: every row of its ``diffs``)
         self.inside: dict[bytes, set[IndexRow]] = {}
         #: ``{entity id: its changes of the indexes written here}``, wherever
         #: the rows live (the whole diff, computed from the body read in the
@@ -113,9 +114,10 @@ class Colocated:
             def here(bucket: int) -> bool:
                 return backends[shard_of[bucket]] is backend
 
-            for i in ids:  # a transaction run again (retried, or on another shard)
-                self.recorded.pop(i, None)
-                self.late.pop(i, None)
+            if self.recorded or self.late:  # a transaction run again (retried, or elsewhere)
+                for i in ids:
+                    self.recorded.pop(i, None)
+                    self.late.pop(i, None)
             if lookups:
                 rows = [(i, self.placer.id_bucket(i), lookups[i]) for i in ids if i in lookups]
                 mine = [r for r in rows if here(r[1])]
@@ -127,7 +129,10 @@ class Colocated:
                 return
             changes: list[Change] = []
             buckets = topology.buckets
-            alone = all(b is backend for b in backends)  # one shard: every row is here
+            if all(b is backend for b in backends):  # one shard: every row is here
+                self._all_here(ids, old, new_rows, skip, changes, buckets)
+                Indexer.write_in(backend, cur, changes, locked)
+                return
             for i in ids:
                 written: set[IndexRow] = set()
                 self.whole.discard(i)
@@ -136,11 +141,6 @@ class Colocated:
                     prev = codec.decode(body) if body is not None else None
                     new = new_rows[i] if new_rows is not None else {}
                     diff = self.diffs[i] = Indexer.diff(self.plain, new, prev, i, buckets)
-                    if alone:
-                        changes += diff
-                        self.whole.add(i)
-                        self.inside[i] = {r for ch in diff for r in (*ch.delete, *ch.insert)}
-                        continue
                     for ch in diff:
                         delete = {r for r in ch.delete if here(r.bucket)}
                         insert = {r for r in ch.insert if here(r.bucket)}
@@ -151,6 +151,32 @@ class Colocated:
             Indexer.write_in(backend, cur, changes, locked)
 
         return run
+
+    def _all_here(
+        self,
+        ids: Sequence[bytes],
+        old: Mapping[bytes, bytes | None],
+        new_rows: Mapping[bytes, Mapping[str, set[IndexRow]]] | None,
+        skip: frozenset[bytes],
+        changes: list[Change],
+        buckets: int,
+    ) -> None:
+        """``within``'s work when every row is on the entity's shard: each
+        entity's whole diff goes into ``changes`` (its rows written in the
+        transaction are its diff's: see :meth:`rest`)."""
+        diff_of, decode, plain, diffs = Indexer.diff, codec.decode, self.plain, self.diffs
+        none: Mapping[str, set[IndexRow]] = {}
+        for i in ids:
+            if i in skip:
+                self.whole.discard(i)
+                self.inside[i] = set()
+                continue
+            body = old.get(i)
+            prev = decode(body) if body is not None else None
+            new = new_rows[i] if new_rows is not None else none
+            diff = diffs[i] = diff_of(plain, new, prev, i, buckets)
+            changes += diff
+        self.whole.update([i for i in ids if i not in skip])
 
     def fence(
         self,
@@ -166,6 +192,11 @@ class Colocated:
             return frozenset()
         topology = self.router.topology
         shard_of, backends = topology.shard_of_bucket, topology.backends
+        tables = [index.table for index in self.plain]
+        if all(b is backend for b in backends):  # one shard: every row is here
+            return frozenset(
+                {r.bucket for i in ids for t in tables for r in new_rows[i].get(t, ())}
+            )
         return frozenset(
             r.bucket
             for i in ids
@@ -176,9 +207,12 @@ class Colocated:
 
     def rest(self, changes: Sequence[Change], entity_id: bytes) -> list[Change]:
         """``changes`` of one entity without the rows written in its transaction."""
-        if entity_id in self.whole and all(not ch.index.unique for ch in changes):
-            return []
-        done = self.inside.get(entity_id)
+        if entity_id in self.whole:
+            if all(not ch.index.unique for ch in changes):
+                return []
+            done = {r for ch in self.diffs[entity_id] for r in (*ch.delete, *ch.insert)}
+        else:
+            done = self.inside.get(entity_id, set())
         if not done:
             return list(changes)
         out = []

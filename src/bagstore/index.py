@@ -28,7 +28,7 @@ from bagstore.backends import check_identifier
 from bagstore.backends.indexsql import RESERVED, IndexRow
 from bagstore.errors import ConfigurationError, InvalidEntity
 from bagstore.names import RESERVED_PREFIX, check_name
-from bagstore.sharding.hashing import bucket_of
+from bagstore.sharding.hashing import bucket_list, bucket_of
 
 if TYPE_CHECKING:
     from bagstore.datastore import Datastore
@@ -192,6 +192,32 @@ class Index:
             stored = tuple(keys.truncate(k)[0] for k in combo)
             rows.add(IndexRow(stored, entity_id, bucket_of(combo[shard_pos], buckets)))
         return rows
+
+    def rows_for_many(
+        self, entities: Sequence[tuple[bytes, Mapping[str, Any]]], buckets: int
+    ) -> list[set[IndexRow]]:
+        """``[rows_for(entity, entity_id, buckets) for entity_id, entity in
+        entities]``, a step at a time over the whole batch (a ``put_many``'s):
+        the same rows and the same errors."""
+        if len(self.properties) != 1 or len(entities) == 1:
+            return [self.rows_for(e, i, buckets) for i, e in entities]
+        prop = self.properties[0]
+        values = [e.get(prop) for _, e in entities]
+        encoded = keys.encode_scalars(values)  # None: no row, or a list's
+        hashed = iter(bucket_list([k for k in encoded if k is not None], buckets))
+        limit, unique = keys.KEY_LIMIT, self.unique
+        out: list[set[IndexRow]] = []
+        append = out.append
+        for (entity_id, entity), value, key in zip(entities, values, encoded, strict=True):
+            if key is None:
+                append(self.rows_for(entity, entity_id, buckets) if type(value) is list else set())
+            elif len(key) <= limit:
+                append({IndexRow((key,), entity_id, next(hashed))})
+            elif unique:
+                raise self._too_long(len(key))
+            else:
+                append({IndexRow((key[:limit],), entity_id, next(hashed))})
+        return out
 
     def _too_long(self, size: int) -> InvalidEntity:
         return InvalidEntity(

@@ -110,9 +110,16 @@ class Indexer:
         unique value, or gains one alone, costs nothing more)."""
         changes = []
         made = made or {}
-        stamps = [t for t in (stamp, old_stamp) if t is not None]
-        bound = max(stamps) if stamps else None
+        if stamp is None or old_stamp is None:
+            bound = old_stamp if stamp is None else stamp
+        else:
+            bound = max(stamp, old_stamp)
         for index in indexes:
+            if old is None and not index.unique:  # (no old body: its rows, all new)
+                gained = new_rows.get(index.table)
+                if gained:  # (a change's sets are never changed: shared, not copied)
+                    changes.append(Change(index, set(), gained))
+                continue
             before = index.rows_or_none(old, entity_id, buckets)
             after = new_rows.get(index.table, set())
             insert = after - before

@@ -65,7 +65,7 @@ a stored key, which is why the query layer re-checks each entity with
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, date, datetime, timedelta
 from typing import NamedTuple, cast
 
@@ -77,6 +77,7 @@ __all__ = [
     "Bounds",
     "UnindexableValue",
     "compare_key",
+    "encode_scalars",
     "encode_value",
     "index_values",
     "range_bounds",
@@ -170,6 +171,30 @@ def encode_value(v: object) -> bytes:
         f"cannot index a value of type {type(v).__name__!r}: indexable types are "
         "bool, int, float, datetime, date, str and bytes"
     )
+
+
+def encode_scalars(values: Iterable[object]) -> list[bytes | None]:
+    """``encode_value`` of each value in one loop (a batch's), None for a
+    value that has none (a list among them: its items are encoded apart).
+
+        >>> encode_scalars(["a", None]) == [encode_value("a"), None]
+        True
+    """
+    out: list[bytes | None] = []
+    append = out.append
+    str_tag, bytes_tag = _STR_TAG, _BYTES_TAG
+    for v in values:
+        t = type(v)  # the exact types of encode_value's first tests, inline
+        if t is str:
+            append(str_tag + cast(str, v).encode("utf-8", "surrogatepass"))
+        elif t is bytes:
+            append(bytes_tag + cast(bytes, v))
+        else:
+            try:
+                append(encode_value(v))
+            except UnindexableValue:
+                append(None)
+    return out
 
 
 def compare_key(v: object) -> bytes:

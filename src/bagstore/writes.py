@@ -2,8 +2,8 @@
 
 A put, in order (docs/consistency.md tells why each step comes where it does):
 
-1. :meth:`Writes.row` validates and encodes each entity; the placer names its
-   bucket.
+1. :meth:`Writes.rows_of` validates and encodes each entity; the placer names
+   its bucket.
 2. The indexer claims its unique values (each claim a fenced statement on the
    shard owning the value's bucket, through :meth:`Router.on_bucket`).
 3. The placer records ``id -> bucket`` for kinds placed by a shard key.
@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, cast
 
 from bagstore import codec, testing
 from bagstore.backends import EntityRow, Stored
@@ -39,11 +40,13 @@ from bagstore.errors import (
 from bagstore.ids import new_id
 from bagstore.indexer import Change, Claim, Indexer
 from bagstore.putone import put_one
+from bagstore.sharding.hashing import bucket_list
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
+    from bagstore.backends.indexsql import IndexRow
     from bagstore.cache.layer import CacheLayer
-    from bagstore.index import Registry
+    from bagstore.index import Index, Registry
     from bagstore.sharding.placer import Placer
     from bagstore.sharding.router import Router
 
@@ -89,6 +92,29 @@ class Writes:
 
     def row(self, entity: object) -> tuple[EntityRow, bool]:
         """Validate and encode one entity; returns the row and whether the id is new."""
+        entity_id, body, fresh = self._body(entity)
+        bucket = self.placer.entity_bucket(cast("dict[str, Any]", entity), entity_id)
+        row = EntityRow(entity_id, bucket, time.time_ns() // 1000, body)
+        return row, fresh
+
+    def rows_of(self, entities: list[dict[str, Any]]) -> list[tuple[bytes, int, bytes, bool]]:
+        """:meth:`row` of each entity, as ``(id, bucket, body, fresh)`` (the
+        stamp is the write's, taken later): the same checks in the same order,
+        the buckets of a kind placed by id hashed in one loop."""
+        body_of, keyed = self._body, self.placer.shard_key is not None
+        entity_bucket = self.placer.entity_bucket
+        out: list[tuple[bytes, int, bytes, bool]] = []
+        append = out.append
+        for entity in entities:
+            entity_id, body, fresh = body_of(entity)
+            append((entity_id, entity_bucket(entity, entity_id) if keyed else -1, body, fresh))
+        if keyed:
+            return out
+        hashed = bucket_list([r[0] for r in out], self.router.placement.buckets)
+        return [(r[0], b, r[2], r[3]) for r, b in zip(out, hashed, strict=True)]
+
+    def _body(self, entity: object) -> tuple[bytes, bytes, bool]:
+        """Validate and encode one entity: its id, its body, whether the id is new."""
         if not isinstance(entity, dict):
             raise InvalidEntity(f"an entity must be a dict, not {type(entity).__name__}")
         fresh = "id" not in entity or entity["id"] is None
@@ -96,16 +122,16 @@ class Writes:
             entity_id = new_id()
             body = codec.encode({**entity, "id": entity_id})
         else:
-            entity_id = check_id(entity["id"], InvalidEntity)
+            entity_id = entity["id"]
+            if type(entity_id) is not bytes or len(entity_id) != 16:
+                entity_id = check_id(entity_id, InvalidEntity)
             body = codec.encode(entity)
         if len(body) > self.max_body_bytes:
             raise InvalidEntity(
                 f"entity {entity_id.hex()} is {len(body)} bytes encoded, over the store's "
                 f"limit of {self.max_body_bytes} bytes (max_body_bytes)"
             )
-        bucket = self.placer.entity_bucket(entity, entity_id)
-        row = EntityRow(entity_id, bucket, time.time_ns() // 1000, body)
-        return row, fresh
+        return entity_id, body, fresh
 
     def put(
         self, entities: list[dict[str, Any]], expect: Mapping[bytes, int] | None = None
@@ -120,15 +146,11 @@ class Writes:
                 done = self._update_one(entities[0], expect) if self._alone() else None
             if done is not None:
                 return [done]
-        prepared = [self.row(e) for e in entities]
+        prepared = self.rows_of(entities)
         indexes = self.registry().maintained()
-        last: dict[bytes, tuple[EntityRow, dict[str, Any]]] = {}
-        for (row, _), entity in zip(prepared, entities, strict=True):
-            last[row.id] = (row, entity)
-        new_rows = {
-            entity_id: {i.table: i.rows_for(entity, entity_id, self.buckets) for i in indexes}
-            for entity_id, (_, entity) in last.items()
-        }
+        # {id: (bucket, body, entity)}, the last of an id (at its first place)
+        last = {p[0]: (p[1], p[2], e) for p, e in zip(prepared, entities, strict=True)}
+        new_rows = self.index_rows(indexes, last)
         claimed = self.indexer.claim_all(
             [
                 Claim(i, r)
@@ -146,13 +168,13 @@ class Writes:
         moved = [
             (i, b)
             for i, b in prior.items()
-            if b != last[i][0].bucket and shard_of[b] != shard_of[last[i][0].bucket]
+            if b != last[i][0] and shard_of[b] != shard_of[last[i][0]]
         ]
-        recorded = {
-            i: row.bucket
-            for i, (row, _) in last.items()
-            if self.placer.keyed and prior.get(i) != row.bucket
-        }
+        recorded = (
+            {i: b for i, (b, _, _) in last.items() if prior.get(i) != b}
+            if self.placer.keyed
+            else {}
+        )
         # A lookup row on the entity's shard goes into its transaction; the
         # others are written first, as the entity's index rows elsewhere after.
         ahead = {i: b for i, b in recorded.items() if not self._beside(self.placer.id_bucket(i), b)}
@@ -168,7 +190,7 @@ class Writes:
         # Stamped after the claims: a claim newer than its owner's `updated`
         # marks a write still in flight (see Indexer._claim).
         now = time.time_ns() // 1000
-        rows = [EntityRow(row.id, row.bucket, now, row.body) for row, _ in last.values()]
+        rows = [EntityRow(i, b, now, body) for i, (b, body, _) in last.items()]
         stamps: dict[bytes, int] = {}  # the `updated` of the rows replaced
         refused: dict[bytes, int] = {}  # conditional: {id: version found}
         unwritten: set[bytes] = set()  # conditional: the refused shards' ids
@@ -218,7 +240,7 @@ class Writes:
 
         try:
             versions: dict[bytes, int] = {}  # new versions, for the cache's markers
-            olds = self.router.by_bucket(rows, lambda r: r.bucket, write)
+            olds = self.router.by_bucket(rows, attrgetter("bucket"), write)
         except Exception as exc:
             # Some shards may have committed: give back only the claims whose
             # entity does not hold the value now.  Not after a timeout (reading
@@ -258,10 +280,15 @@ class Writes:
             rest: list[Change] = []  # those not written in the entity's transaction
             # the diffs made in the transactions serve when no index is unique
             known = together.diffs if together.plain == indexes else {}
+            # every row of an entity in `whole` was written in its transaction
+            whole = together.whole if known else frozenset()
             for entity_id in last:
                 if entity_id in unwritten:
                     continue
                 mine = known.get(entity_id)
+                if mine is not None and entity_id in whole:
+                    changes += mine
+                    continue
                 if mine is None:
                     body = old_bodies.get(entity_id)
                     old = codec.decode(body) if body is not None else None
@@ -279,12 +306,26 @@ class Writes:
                 rest += together.rest(mine, entity_id)
             self.indexer.apply(rest, failpoint="put.after_index_delete")
             self.cache.rows_written(changes, claimed, self.registry())
-        for entity, (row, fresh) in zip(entities, prepared, strict=True):
-            if fresh and row.id not in unwritten:
-                entity["id"] = row.id
+        for entity, (entity_id, _, _, fresh) in zip(entities, prepared, strict=True):
+            if fresh and entity_id not in unwritten:
+                entity["id"] = entity_id
         if unwritten:
             raise conflict(refused, [r.id for r in rows], "put")
-        return [row.id for row, _ in prepared]
+        return [p[0] for p in prepared]
+
+    def index_rows(
+        self, indexes: list[Index], last: Mapping[bytes, tuple[int, bytes, dict[str, Any]]]
+    ) -> dict[bytes, dict[str, set[IndexRow]]]:
+        """``{id: {table: the entity's index rows}}``, an index at a time."""
+        pairs = [(i, e) for i, (_, _, e) in last.items()]
+        out: dict[bytes, dict[str, set[IndexRow]]] = {i: {} for i in last}
+        for index in indexes:
+            table = index.table
+            for (entity_id, _), made in zip(
+                pairs, index.rows_for_many(pairs, self.buckets), strict=True
+            ):
+                out[entity_id][table] = made
+        return out
 
     def _alone(self) -> bool:
         """Whether an entity's write is its row alone: no index to maintain, no

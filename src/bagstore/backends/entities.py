@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from bagstore.backends.buckets import ownership_error
@@ -22,7 +21,7 @@ from bagstore.backends.changesql import skip_sql
 from bagstore.backends.entitysql import NOT_OWNED, EntitySQL
 from bagstore.backends.pipeline import later
 from bagstore.errors import ConfigurationError, StalePlacement
-from bagstore.versions import clock, next_version
+from bagstore.versions import clock
 
 if TYPE_CHECKING:
     from bagstore.backends.base import Dialect
@@ -47,9 +46,9 @@ T = TypeVar("T")
 Within = Callable[[Any, "dict[bytes, bytes | None]"], None]
 
 
-@dataclass(frozen=True, slots=True)
-class EntityRow:
-    """One row of an entities table as bagstore writes it."""
+class EntityRow(NamedTuple):
+    """One row of an entities table as bagstore writes it (a tuple: a batch
+    makes one per entity)."""
 
     id: bytes
     bucket: int
@@ -163,6 +162,11 @@ class EntityOps:
 
     def _chunks(self, rows: Sequence[EntityRow]) -> Iterator[Sequence[EntityRow]]:
         """Split rows so that one statement stays under ``max_statement_bytes``."""
+        if len(rows) <= self.max_statement_rows and (
+            sum([len(r.body) for r in rows]) + 64 * len(rows) <= self.max_statement_bytes
+        ):
+            yield rows  # (the loop below would make this one chunk)
+            return
         start, size = 0, 0
         for i, row in enumerate(rows):
             size += len(row.body) + 64
@@ -240,8 +244,13 @@ class EntityOps:
                         assert refused is not None, "expect needs refused"
                         refused.update(failed)
                         return {}
-                # The clock is read with the rows locked (bagstore.versions).
-                new = {r.id: next_version(found.get(r.id)) for r in rows}
+                # The clock is read with the rows locked (bagstore.versions):
+                # once for them all, each row's version next_version's.
+                now = clock()
+                new: dict[bytes, int] = {}
+                for r in rows:
+                    v = found.get(r.id)
+                    new[r.id] = now if v is None or v < now else v + 1
                 for chunk in self._chunks(rows):
                     later(
                         cur, self.sql("write_entities_sql", kind, len(chunk)), _flatten(chunk, new)
@@ -507,6 +516,7 @@ def _fetchone(conn: Any, sql: str, params: Sequence[Any]) -> Any:
 
 def _flatten(rows: Sequence[EntityRow], versions: Mapping[bytes, int]) -> list[Any]:
     out: list[Any] = []
+    extend = out.extend
     for r in rows:
-        out += (r.id, r.bucket, r.updated, versions[r.id], r.body)
+        extend((r.id, r.bucket, r.updated, versions[r.id], r.body))
     return out

@@ -390,6 +390,8 @@ class CacheLayer(PageReads):
         the others are read back (a version read after the commit is the
         write's own or a later one, which is as good for a marker).
         """
+        if self.cache is None and current() is None:
+            return  # no level to tell (after_write would do nothing)
         known = dict(versions)
         if self.cache is not None:
             missing = [r.id for r in rows if r.id not in known]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from hashlib import blake2b
 
-__all__ = ["bucket_of", "buckets_of"]
+__all__ = ["bucket_list", "bucket_of", "buckets_of"]
 
 _EMPTY = blake2b(digest_size=8)  # never updated: only copied
 
@@ -40,4 +40,21 @@ def buckets_of(keys: Iterable[bytes], buckets: int) -> dict[bytes, int]:
         h = _EMPTY.copy()
         h.update(key)
         out[key] = int.from_bytes(h.digest(), "big") % buckets
+    return out
+
+
+def bucket_list(keys: Iterable[bytes], buckets: int) -> list[int]:
+    """``[bucket_of(key, buckets) for key in keys]`` in one loop (a batch's
+    keys, in order, duplicates included).
+
+    >>> bucket_list([bytes(16), bytes(16)], 1024)
+    [14, 14]
+    """
+    copy, frombytes = _EMPTY.copy, int.from_bytes
+    out: list[int] = []
+    append = out.append
+    for key in keys:
+        h = copy()
+        h.update(key)
+        append(frombytes(h.digest(), "big") % buckets)
     return out
