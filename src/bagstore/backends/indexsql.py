@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from bagstore.backends.pipeline import later as send_later
 from bagstore.errors import DuplicateValue
@@ -37,9 +37,10 @@ def index_layout(columns: Sequence[str], unique: bool) -> frozenset[str]:
     return frozenset(c.lower() for c in (*columns, *extra))
 
 
-@dataclass(frozen=True, slots=True)
-class IndexRow:
-    """One row of an index table: stored keys (one per property), entity id, bucket."""
+class IndexRow(NamedTuple):
+    """One row of an index table: stored keys (one per property), entity id,
+    bucket.  (A tuple: made and hashed for every row a write diffs, and a
+    tuple's hash is C's where a frozen dataclass's runs in Python.)"""
 
     keys: tuple[bytes, ...]
     entity_id: bytes
@@ -356,7 +357,8 @@ class IndexOps:
         cols = (*columns, ENTITY_ID, BUCKET) + ((CLAIMED,) if claimed is not None else ())
         extra = (claimed,) if claimed is not None else ()
         written = 0
-        step = self.index_rows_per_statement
+        # (a fenced insert is a compound SELECT a row, whose terms SQLite caps)
+        step = self.index_rows_per_statement if fenced else self.bulk_rows_per_statement
         for start in range(0, len(rows), step):
             chunk = rows[start : start + step]
             if fenced:
