@@ -41,7 +41,6 @@ __all__ = ["Session", "next_rows"]
 
 _UPDATED, _BUCKET, _POS = itemgetter(5), itemgetter(0), itemgetter(1)
 _AT = itemgetter(0, 1)
-_KEY, _ROW = itemgetter(0), itemgetter(1)
 _HI, _HIGH, _TOP = itemgetter(2), itemgetter(1), itemgetter(0)
 _72, _48 = repeat(72), repeat(48)
 _BUCKETS, _POSITIONS = (1 << 24) - 1, (1 << 48) - 1
@@ -68,8 +67,11 @@ class Session:
     ends: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     #: of each bucket read: (last position read, running max of updated there)
     read_to: dict[int, tuple[int, int]] = field(default_factory=dict)
-    #: rows read and not returned: (key, row), sorted (see _key)
-    pending: list[tuple[int, tuple[Any, ...]]] = field(default_factory=list)
+    #: the merge keys of the rows read and not returned, sorted (see _key)
+    pending: list[int] = field(default_factory=list)
+    #: those rows by their key (ints sort faster than (key, row) pairs, and a
+    #: page's rows come out of a dict in C loops)
+    held: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     #: buckets read short of their last position: the least key of the next row
     blocked: list[int] = field(default_factory=list)
     #: of each bucket read: the rows asked the last time
@@ -141,11 +143,11 @@ def next_rows(
     tried: set[int] = set()
     pending, blocked = s.pending, s.blocked
     while True:
-        n = len(pending) if not blocked else bisect_left(pending, blocked[0], key=_KEY)
+        n = len(pending) if not blocked else bisect_left(pending, blocked[0])
         if n >= limit or not blocked:
             break
         # The buckets whose next row could sort before the page's last row.
-        target = pending[limit - 1][0] if len(pending) >= limit else None
+        target = pending[limit - 1] if len(pending) >= limit else None
         picked: list[int] = []
         kept: list[int] = []
         while blocked and (target is None or blocked[0] < target):
@@ -160,9 +162,9 @@ def next_rows(
             _recheck(s, short, holders, pruned, tried, stuck)
     taken = pending[: min(n, limit)]
     del pending[: len(taken)]
-    rows = list(map(_ROW, taken))
+    rows = list(map(s.held.pop, taken))
     after = dict(s.after)
-    after.update(map(_AT, rows))
+    after.update(zip(map(_BUCKET, rows), map(_POS, rows), strict=True))  # no pair a row kept
     s.after = after
     return rows
 
@@ -234,17 +236,20 @@ def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) ->
         if last < ends[b][0]:
             heapq.heappush(blocked, _key(high, b, last + 1))
     if fast:  # one pass over every row: each row's key from its own time
-        keyed = list(zip(_keys(times, bs, ps), rows, strict=True))
+        _hold(s, _keys(times, bs, ps), rows)
     else:
-        keyed = []
         for _, first, end, high in spans:
             running = list(accumulate(times[first:end], max, initial=high))[1:]
-            keys = _keys(running, bs[first:end], ps[first:end])
-            keyed += zip(keys, rows[first:end], strict=True)
-    keyed.sort(key=_KEY)  # by the int alone: cheaper than comparing tuples
-    s.pending += keyed
-    s.pending.sort(key=_KEY)  # two sorted runs: one merge
+            _hold(s, _keys(running, bs[first:end], ps[first:end]), rows[first:end])
+    s.pending.sort()  # ints, no key function: a sorted run and the new keys
     return short
+
+
+def _hold(s: Session, keys: list[int], rows: list[tuple[Any, ...]]) -> None:
+    """Keep ``rows`` until a page takes them, by their merge ``keys`` (unique:
+    each holds its row's bucket and position); ``s.pending`` to sort after."""
+    s.held.update(zip(keys, rows, strict=True))
+    s.pending += keys
 
 
 def _steps(values: list[int], op: Callable[[int, int], bool]) -> set[int]:
@@ -282,10 +287,8 @@ def _fill_fast(
         list(map(add, compress(his, more), repeat(1))),
     )
     heapq.heapify(s.blocked)
-    keyed = list(zip(_keys(times, bs, ps), rows, strict=True))
-    keyed.sort(key=_KEY)  # by the int alone: cheaper than comparing tuples
-    s.pending += keyed
-    s.pending.sort(key=_KEY)  # two sorted runs: one merge
+    _hold(s, _keys(times, bs, ps), rows)
+    s.pending.sort()  # ints, no key function: a sorted run and the new keys
     return True
 
 
