@@ -135,8 +135,9 @@ def next_rows(
         s.blocked = []
         _refresh(s, holders, pruned)
     active = max(1, len(s.blocked))
-    # a bucket's first read: twice its share of a page; each next one twice
-    # the last, up to `most` or that share (a range costs more than its rows)
+    # a bucket's first read: twice its share of a page; each next one four
+    # times the last, up to `most` or that share (a range costs more than its
+    # rows: a bucket read to its end in fewer of them)
     first = min(limit, max(2, -(-2 * limit // active)))
     most = max(first, most)
     stuck: set[int] = set()  # buckets that read nothing twice in this call
@@ -177,7 +178,7 @@ def _key(high: int, bucket: int, pos: int) -> int:
 
 def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) -> list[int]:
     """Read the next rows of the ``picked`` buckets' heap keys (``first`` the
-    first time, then twice as many as the last time, up to ``most``) into
+    first time, then four times as many as the last time, up to ``most``) into
     ``s.pending`` (in merge order) and push those still short of their last
     position back onto the heap; the buckets that read nothing."""
     ends, read_to, sizes = s.ends, s.read_to, s.sizes
@@ -186,7 +187,7 @@ def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) ->
     for bound in picked:
         b, lo = (bound >> 48) & _BUCKETS, (bound & _POSITIONS)
         top, _, shard = ends[b]
-        size = sizes[b] = min(most, 2 * sizes[b]) if b in sizes else first
+        size = sizes[b] = min(most, 4 * sizes[b]) if b in sizes else first
         r = (b, lo, min(top, lo - 1 + size))
         asked.append(r)
         by_shard.setdefault(shard, []).append(r)
