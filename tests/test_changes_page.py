@@ -225,3 +225,34 @@ def test_positions_text_round_trips_and_reads_the_json_form_before() -> None:
     for bad in ("~" + three_bytes, negative):
         with pytest.raises(ValueError):
             feedpage.decode_positions(bad)
+
+
+def test_range_reads_give_the_rows_asked_with_or_without_sqlite_json(
+    topo: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The change rows of ranges read on one shard and over several shards
+    together: each range's rows, in the order asked, whichever statement
+    reads them (SQLite: ranges as a JSON parameter, or a UNION ALL where its
+    JSON functions are missing)."""
+    ds = topo.open(buckets=16)
+    ds.feed.enable(bodies=True)
+    ds.put_many([{"n": i} for i in range(300)])
+    feed = ds.feed
+    holders = feed.holders()
+    by_shard: dict[int, list[tuple[int, int, int]]] = {}
+    for b, (top, _, shard) in sorted(holders.items()):
+        by_shard.setdefault(shard, []).append((b, 2, max(2, top - 3)))
+    expected = [
+        (b, pos) for s in sorted(by_shard) for b, lo, hi in by_shard[s] for pos in range(lo, hi + 1)
+    ]
+    for json_ok in ([True], [False]):
+        monkeypatch.setattr(changesql, "_json_ok", json_ok)
+        got = feed._read_ranges(by_shard)
+        assert sorted((r[0], r[1]) for r in got) == expected
+        for shard, ranges in by_shard.items():
+            rows = changesql.read_ranges(feed.router.backends[shard], ds.kind, ranges)
+            assert [(r[0], r[1]) for r in rows] == [
+                (b, pos) for b, lo, hi in ranges for pos in range(lo, hi + 1)
+            ]
+            assert all(type(r[6]) is bytes for r in rows)
+    ds.close()
