@@ -34,7 +34,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate, compress, count, islice, repeat
-from operator import add, ge, gt, itemgetter, lshift, lt, ne, sub
+from operator import add, ge, gt, itemgetter, lshift, lt, sub
 from typing import Any
 
 __all__ = ["Session", "next_rows"]
@@ -197,17 +197,19 @@ def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) ->
     rows = read(by_shard)
     bs = list(map(_BUCKET, rows))
     ps = list(map(_POS, rows))
-    if any(map(gt, bs, islice(bs, 1, None))) or not _steps(ps, ge).issubset(_steps(bs, ne)):
+    places = list(map(add, map(lshift, bs, _48), ps))  # (bucket, position) as one int
+    if any(map(ge, places, islice(places, 1, None))):
         # not in (bucket, position) order, as drivers normally return them
         rows.sort(key=_AT)
         bs = list(map(_BUCKET, rows))
         ps = list(map(_POS, rows))
+        places = list(map(add, map(lshift, bs, _48), ps))
     times = list(map(_UPDATED, rows))
     # Where `updated` goes back from one row to the next (C loops): normally
     # only from one bucket to the next; then each row's key is its own time.
     back = _steps(times, gt)
     complete = len(rows) == sum(hi - lo + 1 for _, lo, hi in asked)
-    if complete and _fill_fast(s, asked, rows, bs, ps, times, back):
+    if complete and _fill_fast(s, asked, rows, places, times, back):
         return []
     short: list[int] = []
     spans: list[tuple[int, int, int, int]] = []  # (bucket, first row, end, high before)
@@ -237,11 +239,11 @@ def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) ->
         if last < ends[b][0]:
             heapq.heappush(blocked, _key(high, b, last + 1))
     if fast:  # one pass over every row: each row's key from its own time
-        _hold(s, _keys(times, bs, ps), rows)
+        _hold(s, _row_keys(times, places), rows)
     else:
         for _, first, end, high in spans:
             running = list(accumulate(times[first:end], max, initial=high))[1:]
-            _hold(s, _keys(running, bs[first:end], ps[first:end]), rows[first:end])
+            _hold(s, _row_keys(running, places[first:end]), rows[first:end])
     s.pending.sort()  # ints, no key function: a sorted run and the new keys
     return short
 
@@ -262,8 +264,7 @@ def _fill_fast(
     s: Session,
     asked: list[tuple[int, int, int]],
     rows: list[tuple[Any, ...]],
-    bs: list[int],
-    ps: list[int],
+    places: list[int],
     times: list[int],
     back: set[int],
 ) -> bool:
@@ -288,14 +289,19 @@ def _fill_fast(
         list(map(add, compress(his, more), repeat(1))),
     )
     heapq.heapify(s.blocked)
-    _hold(s, _keys(times, bs, ps), rows)
+    _hold(s, _row_keys(times, places), rows)
     s.pending.sort()  # ints, no key function: a sorted run and the new keys
     return True
 
 
 def _keys(highs: list[int], buckets: list[int], positions: list[int]) -> list[int]:
     """:func:`_key` of each row, in C loops."""
-    return list(map(add, map(lshift, highs, _72), map(add, map(lshift, buckets, _48), positions)))
+    return _row_keys(highs, list(map(add, map(lshift, buckets, _48), positions)))
+
+
+def _row_keys(highs: list[int], places: list[int]) -> list[int]:
+    """:func:`_key` of each row from its ``(bucket << 48) + position``, in C loops."""
+    return list(map(add, map(lshift, highs, _72), places))
 
 
 def _recheck(

@@ -32,7 +32,6 @@ Nothing here decides which shard to ask: that is :mod:`bagstore.changes`.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -344,7 +343,8 @@ def _ranges_sql(
         one = f"(bucket = {p} AND pos >= {p} AND pos <= {p})"
         return f"{_READ}{table} WHERE kind = {p} AND ({' OR '.join([one] * len(ranges))})", params
     if _sqlite_json():
-        return _JSON_READ.format(table=table, p=p), [json.dumps(ranges), kind]
+        text = ",".join(map("[%d,%d,%d]".__mod__, ranges))  # ints: cheaper than json.dumps
+        return _JSON_READ.format(table=table, p=p), [f"[{text}]", kind]
     for r in ranges:
         params.append(kind)
         params += r
