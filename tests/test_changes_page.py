@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import bagstore
-from bagstore import Change, feedread
+from bagstore import Change, feedpage, feedread
 from bagstore.backends import changesql
 from tests.conftest import Topology
 
@@ -198,4 +198,61 @@ def test_pages_at_the_default_bucket_count_resume_anywhere(topo: Topology) -> No
     (change,) = other.changes(since=old)
     assert change.id == ids[0] and change.version > max(by_id[ids[0]])
     other.close()
+    ds.close()
+
+
+def test_positions_text_round_trips_and_reads_the_json_form_before() -> None:
+    """Positions as a cursor or a consumer's checkpoint carry them (64-bit ints,
+    zlib, base64) give back what was encoded; the JSON text of cursors and
+    checkpoints made before still decodes; damaged text raises ValueError."""
+    rng = random.Random(26)
+    for n in (0, 1, 7, 1024):
+        positions = {b: rng.randint(1, 2**50) for b in rng.sample(range(65_536), n)}
+        text = feedpage.encode_positions(positions)
+        assert feedpage.decode_positions(text) == positions
+        assert "." not in text and ":" not in text  # the separators around it
+    assert feedpage.encode_positions({3: 0, 5: 2}) == feedpage.encode_positions({5: 2})
+    flat = [3, 7, 7, 2]  # buckets 3 and 10, as deltas
+    old = base64.urlsafe_b64encode(zlib.compress(json.dumps(flat).encode())).decode().rstrip("=")
+    assert feedpage.decode_positions(old) == {3: 7, 10: 2}
+    three_bytes = base64.urlsafe_b64encode(zlib.compress(b"abc")).decode()
+    negative = (
+        feedpage.encode_positions({3: 7})[:1]
+        + base64.urlsafe_b64encode(
+            zlib.compress((-1).to_bytes(8, "little", signed=True) * 2)
+        ).decode()
+    )
+    for bad in ("~" + three_bytes, negative):
+        with pytest.raises(ValueError):
+            feedpage.decode_positions(bad)
+
+
+def test_range_reads_give_the_rows_asked_with_or_without_sqlite_json(
+    topo: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The change rows of ranges read on one shard and over several shards
+    together: each range's rows, in the order asked, whichever statement
+    reads them (SQLite: ranges as a JSON parameter, or a UNION ALL where its
+    JSON functions are missing)."""
+    ds = topo.open(buckets=16)
+    ds.feed.enable(bodies=True)
+    ds.put_many([{"n": i} for i in range(300)])
+    feed = ds.feed
+    holders = feed.holders()
+    by_shard: dict[int, list[tuple[int, int, int]]] = {}
+    for b, (top, _, shard) in sorted(holders.items()):
+        by_shard.setdefault(shard, []).append((b, 2, max(2, top - 3)))
+    expected = [
+        (b, pos) for s in sorted(by_shard) for b, lo, hi in by_shard[s] for pos in range(lo, hi + 1)
+    ]
+    for json_ok in ([True], [False]):
+        monkeypatch.setattr(changesql, "_json_ok", json_ok)
+        got = feed._read_ranges(by_shard)
+        assert sorted((r[0], r[1]) for r in got) == expected
+        for shard, ranges in by_shard.items():
+            rows = changesql.read_ranges(feed.router.backends[shard], ds.kind, ranges)
+            assert [(r[0], r[1]) for r in rows] == [
+                (b, pos) for b, lo, hi in ranges for pos in range(lo, hi + 1)
+            ]
+            assert all(type(r[6]) is bytes for r in rows)
     ds.close()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 import zlib
+from array import array
 from collections.abc import Iterable
 from itertools import accumulate, chain, compress, repeat
 from operator import gt, sub
@@ -110,21 +112,40 @@ class ChangePage(list[Change]):
         self.cursor = cursor
 
 
+#: marks positions as binary (64-bit little-endian ints); text without it is
+#: the JSON list of earlier cursors and checkpoints (base64 never holds ``~``)
+_BINARY = "~"
+
+
 def encode_positions(positions: dict[int, int]) -> str:
-    """Positions as compact text: bucket deltas and positions, JSON, zlib, base64
-    (C loops only: a cursor of 1,024 buckets is made at every page)."""
+    """Positions as compact text: bucket deltas and positions as 64-bit ints,
+    zlib, base64 (C loops only, no JSON: a cursor of 1,024 buckets is made
+    at every page)."""
     buckets = sorted(compress(positions, map(gt, positions.values(), repeat(0))))
     flat = [0] * (2 * len(buckets))
     flat[0::2] = map(sub, buckets, chain((0,), buckets))
     flat[1::2] = map(positions.__getitem__, buckets)
-    raw = zlib.compress(json.dumps(flat, separators=(",", ":")).encode(), 1)
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    ints = array("q", flat)
+    if sys.byteorder != "little":
+        ints.byteswap()
+    raw = zlib.compress(ints.tobytes(), 1)
+    return _BINARY + base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
 def decode_positions(text: str) -> dict[int, int]:
-    """The inverse of :func:`encode_positions` (ValueError if it is not one)."""
+    """The inverse of :func:`encode_positions`, or of its JSON form before
+    (ValueError if it is neither)."""
+    binary = text.startswith(_BINARY)
+    text = text[1:] if binary else text
     raw = zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
-    flat = json.loads(raw)
+    if binary:
+        ints = array("q")
+        ints.frombytes(raw)  # ValueError unless whole ints
+        if sys.byteorder != "little":
+            ints.byteswap()
+        flat: Any = ints.tolist()
+    else:
+        flat = json.loads(raw)
     if not isinstance(flat, list) or len(flat) % 2 or not set(map(type, flat)) <= {int}:
         raise ValueError("not a list of positions")
     if flat and min(flat) < 0:

@@ -34,14 +34,13 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate, compress, count, islice, repeat
-from operator import add, ge, gt, itemgetter, lshift, lt, ne, sub
+from operator import add, ge, gt, itemgetter, lshift, lt, sub
 from typing import Any
 
 __all__ = ["Session", "next_rows"]
 
 _UPDATED, _BUCKET, _POS = itemgetter(5), itemgetter(0), itemgetter(1)
 _AT = itemgetter(0, 1)
-_KEY, _ROW = itemgetter(0), itemgetter(1)
 _HI, _HIGH, _TOP = itemgetter(2), itemgetter(1), itemgetter(0)
 _72, _48 = repeat(72), repeat(48)
 _BUCKETS, _POSITIONS = (1 << 24) - 1, (1 << 48) - 1
@@ -68,8 +67,11 @@ class Session:
     ends: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     #: of each bucket read: (last position read, running max of updated there)
     read_to: dict[int, tuple[int, int]] = field(default_factory=dict)
-    #: rows read and not returned: (key, row), sorted (see _key)
-    pending: list[tuple[int, tuple[Any, ...]]] = field(default_factory=list)
+    #: the merge keys of the rows read and not returned, sorted (see _key)
+    pending: list[int] = field(default_factory=list)
+    #: those rows by their key (ints sort faster than (key, row) pairs, and a
+    #: page's rows come out of a dict in C loops)
+    held: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     #: buckets read short of their last position: the least key of the next row
     blocked: list[int] = field(default_factory=list)
     #: of each bucket read: the rows asked the last time
@@ -133,19 +135,20 @@ def next_rows(
         s.blocked = []
         _refresh(s, holders, pruned)
     active = max(1, len(s.blocked))
-    # a bucket's first read: twice its share of a page; each next one twice
-    # the last, up to `most` or that share (a range costs more than its rows)
+    # a bucket's first read: twice its share of a page; each next one four
+    # times the last, up to `most` or that share (a range costs more than its
+    # rows: a bucket read to its end in fewer of them)
     first = min(limit, max(2, -(-2 * limit // active)))
     most = max(first, most)
     stuck: set[int] = set()  # buckets that read nothing twice in this call
     tried: set[int] = set()
     pending, blocked = s.pending, s.blocked
     while True:
-        n = len(pending) if not blocked else bisect_left(pending, blocked[0], key=_KEY)
+        n = len(pending) if not blocked else bisect_left(pending, blocked[0])
         if n >= limit or not blocked:
             break
         # The buckets whose next row could sort before the page's last row.
-        target = pending[limit - 1][0] if len(pending) >= limit else None
+        target = pending[limit - 1] if len(pending) >= limit else None
         picked: list[int] = []
         kept: list[int] = []
         while blocked and (target is None or blocked[0] < target):
@@ -160,9 +163,9 @@ def next_rows(
             _recheck(s, short, holders, pruned, tried, stuck)
     taken = pending[: min(n, limit)]
     del pending[: len(taken)]
-    rows = list(map(_ROW, taken))
+    rows = list(map(s.held.pop, taken))
     after = dict(s.after)
-    after.update(map(_AT, rows))
+    after.update(zip(map(_BUCKET, rows), map(_POS, rows), strict=True))  # no pair a row kept
     s.after = after
     return rows
 
@@ -175,7 +178,7 @@ def _key(high: int, bucket: int, pos: int) -> int:
 
 def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) -> list[int]:
     """Read the next rows of the ``picked`` buckets' heap keys (``first`` the
-    first time, then twice as many as the last time, up to ``most``) into
+    first time, then four times as many as the last time, up to ``most``) into
     ``s.pending`` (in merge order) and push those still short of their last
     position back onto the heap; the buckets that read nothing."""
     ends, read_to, sizes = s.ends, s.read_to, s.sizes
@@ -184,7 +187,7 @@ def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) ->
     for bound in picked:
         b, lo = (bound >> 48) & _BUCKETS, (bound & _POSITIONS)
         top, _, shard = ends[b]
-        size = sizes[b] = min(most, 2 * sizes[b]) if b in sizes else first
+        size = sizes[b] = min(most, 4 * sizes[b]) if b in sizes else first
         r = (b, lo, min(top, lo - 1 + size))
         asked.append(r)
         by_shard.setdefault(shard, []).append(r)
@@ -194,17 +197,19 @@ def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) ->
     rows = read(by_shard)
     bs = list(map(_BUCKET, rows))
     ps = list(map(_POS, rows))
-    if any(map(gt, bs, islice(bs, 1, None))) or not _steps(ps, ge).issubset(_steps(bs, ne)):
+    places = list(map(add, map(lshift, bs, _48), ps))  # (bucket, position) as one int
+    if any(map(ge, places, islice(places, 1, None))):
         # not in (bucket, position) order, as drivers normally return them
         rows.sort(key=_AT)
         bs = list(map(_BUCKET, rows))
         ps = list(map(_POS, rows))
+        places = list(map(add, map(lshift, bs, _48), ps))
     times = list(map(_UPDATED, rows))
     # Where `updated` goes back from one row to the next (C loops): normally
     # only from one bucket to the next; then each row's key is its own time.
     back = _steps(times, gt)
     complete = len(rows) == sum(hi - lo + 1 for _, lo, hi in asked)
-    if complete and _fill_fast(s, asked, rows, bs, ps, times, back):
+    if complete and _fill_fast(s, asked, rows, places, times, back):
         return []
     short: list[int] = []
     spans: list[tuple[int, int, int, int]] = []  # (bucket, first row, end, high before)
@@ -234,17 +239,20 @@ def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) ->
         if last < ends[b][0]:
             heapq.heappush(blocked, _key(high, b, last + 1))
     if fast:  # one pass over every row: each row's key from its own time
-        keyed = list(zip(_keys(times, bs, ps), rows, strict=True))
+        _hold(s, _row_keys(times, places), rows)
     else:
-        keyed = []
         for _, first, end, high in spans:
             running = list(accumulate(times[first:end], max, initial=high))[1:]
-            keys = _keys(running, bs[first:end], ps[first:end])
-            keyed += zip(keys, rows[first:end], strict=True)
-    keyed.sort(key=_KEY)  # by the int alone: cheaper than comparing tuples
-    s.pending += keyed
-    s.pending.sort(key=_KEY)  # two sorted runs: one merge
+            _hold(s, _row_keys(running, places[first:end]), rows[first:end])
+    s.pending.sort()  # ints, no key function: a sorted run and the new keys
     return short
+
+
+def _hold(s: Session, keys: list[int], rows: list[tuple[Any, ...]]) -> None:
+    """Keep ``rows`` until a page takes them, by their merge ``keys`` (unique:
+    each holds its row's bucket and position); ``s.pending`` to sort after."""
+    s.held.update(zip(keys, rows, strict=True))
+    s.pending += keys
 
 
 def _steps(values: list[int], op: Callable[[int, int], bool]) -> set[int]:
@@ -256,8 +264,7 @@ def _fill_fast(
     s: Session,
     asked: list[tuple[int, int, int]],
     rows: list[tuple[Any, ...]],
-    bs: list[int],
-    ps: list[int],
+    places: list[int],
     times: list[int],
     back: set[int],
 ) -> bool:
@@ -282,16 +289,19 @@ def _fill_fast(
         list(map(add, compress(his, more), repeat(1))),
     )
     heapq.heapify(s.blocked)
-    keyed = list(zip(_keys(times, bs, ps), rows, strict=True))
-    keyed.sort(key=_KEY)  # by the int alone: cheaper than comparing tuples
-    s.pending += keyed
-    s.pending.sort(key=_KEY)  # two sorted runs: one merge
+    _hold(s, _row_keys(times, places), rows)
+    s.pending.sort()  # ints, no key function: a sorted run and the new keys
     return True
 
 
 def _keys(highs: list[int], buckets: list[int], positions: list[int]) -> list[int]:
     """:func:`_key` of each row, in C loops."""
-    return list(map(add, map(lshift, highs, _72), map(add, map(lshift, buckets, _48), positions)))
+    return _row_keys(highs, list(map(add, map(lshift, buckets, _48), positions)))
+
+
+def _row_keys(highs: list[int], places: list[int]) -> list[int]:
+    """:func:`_key` of each row from its ``(bucket << 48) + position``, in C loops."""
+    return list(map(add, map(lshift, highs, _72), places))
 
 
 def _recheck(
