@@ -11,6 +11,7 @@ import pytest
 
 import bagstore
 from bagstore import testing
+from bagstore.errors import StalePlacement
 from bagstore.sharding.router import Router
 from tests.conftest import Topology
 
@@ -123,3 +124,38 @@ def test_the_module_doctest_runs() -> None:
 
     failed, attempted = doctest.testmod(putone)
     assert (failed, attempted) == (0, 7)
+
+
+@pytest.mark.parametrize("fenced", [0, 1, 3, 5])
+@pytest.mark.parametrize("state", ["owned", "frozen", "gone"])
+def test_a_write_checks_every_bucket_it_fences(topo: Topology, fenced: int, state: str) -> None:
+    """The locked read counts the buckets a transaction writes in (its
+    entity's and its index rows'), however few (SQLite sums a search a
+    bucket up to four, counts over a list beyond): one bucket frozen or let
+    go refuses the whole write."""
+    from bagstore.backends import EntityRow
+    from bagstore.sharding.hashing import bucket_of
+
+    ds = topo.open(kind="posts")
+    backend = ds.router.backends[0]
+    mine = [b for b, s in enumerate(ds.placement.shard_of_bucket) if s == 0]
+    entity_id = next(
+        i
+        for i in (bytes([k]) * 16 for k in range(256))
+        if bucket_of(i, len(ds.placement.shard_of_bucket)) in mine
+    )
+    bucket = bucket_of(entity_id, len(ds.placement.shard_of_bucket))
+    fence = [b for b in mine if b != bucket][:fenced]
+    if state == "frozen":
+        backend.set_bucket_state((fence or [bucket])[-1], 1)
+    elif state == "gone":
+        backend.release_bucket((fence or [bucket])[-1])
+    row = EntityRow(entity_id, bucket, 1, bagstore.codec.encode({"id": entity_id}))
+    write = lambda: backend.put_entities("posts", [row], read_old=True, fence=fence)  # noqa: E731
+    if state == "owned":
+        write()
+        assert ds.get(entity_id) == {"id": entity_id}
+    else:
+        with pytest.raises(bagstore.KeyMigrating if state == "frozen" else StalePlacement):
+            write()
+        assert backend.get_bodies("posts", [entity_id]) == {}
