@@ -332,3 +332,43 @@ def test_a_conditional_put_from_a_stale_placement_is_fenced(topo: Topology, left
     with pytest.raises(bagstore.Conflict) as refused:
         stale.put({"id": entity_id, "n": 3}, expect_version=version)
     assert refused.value.found > version
+
+
+def test_sqlite_update_waits_for_a_lock_another_connection_holds(tmp_path: Any) -> None:
+    """update's one-statement write runs on the thread's idle connection; a
+    file locked by another connection makes it wait and try again (nothing
+    was written by the refused statement), and a statement that fails for
+    another reason is a bagstore error that leaves the connection usable."""
+    import sqlite3
+    import threading
+
+    ds = bagstore.open(tmp_path, shards=1)
+    try:
+        entity_id = ds.put({"n": 0})
+        ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})  # the connection is made
+        backend = ds.router.backends[0]
+        holder = sqlite3.connect(backend.path, isolation_level=None, check_same_thread=False)
+        holder.execute("BEGIN IMMEDIATE")  # the write lock, held by someone else
+        events: list[str] = []
+
+        def release() -> None:
+            threading.Event().wait(0.15)
+            events.append("released")
+            holder.execute("COMMIT")
+
+        thread = threading.Thread(target=release)
+        thread.start()
+        # (raw SQL only to reach the backend's execute path)
+        stamp = 'UPDATE "entities" SET updated = updated + 1 WHERE id = ?'
+        assert backend.execute(stamp, [entity_id]) == 1  # the thread's idle connection
+        assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 2
+        events.append("updated")
+        thread.join()
+        holder.close()
+        assert events == ["released", "updated"]
+        with pytest.raises(bagstore.BackendError):
+            backend.execute("UPDATE no_such_table SET n = 1")
+        assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 3
+        assert ds.get_with_version(entity_id)[0]["n"] == 3  # type: ignore[index]
+    finally:
+        ds.close()

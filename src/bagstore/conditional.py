@@ -41,6 +41,7 @@ from bagstore.errors import (
     InvalidQuery,
     ShardTimeout,
 )
+from bagstore.sharding.hashing import bucket_of
 from bagstore.writes import check_id
 
 if TYPE_CHECKING:
@@ -121,16 +122,17 @@ class Conditional:
         self,
         writes: Writes,
         placer: Placer,
-        fetch_one: Callable[[bytes], Stored | None],
+        fetch_one: Callable[[bytes, int | None], Stored | None],
     ) -> None:
         self.writes = writes
         self.placer = placer
-        #: a row as its shard holds it now, past every cache level
+        #: a row as its shard holds it now, past every cache level (given
+        #: its id's bucket where the id names it, else None)
         self.fetch_one = fetch_one
 
     def get_with_version(self, entity_id: bytes) -> tuple[dict[str, Any], int] | None:
         """``(entity, version)`` as the shard holding it has it now, or None."""
-        stored = self.fetch_one(entity_id)
+        stored = self.fetch_one(entity_id, None)
         return None if stored is None else (codec.decode(stored.body), stored.version)
 
     def _read_settled(self, entity_id: bytes) -> tuple[bytes, int] | None:
@@ -166,10 +168,14 @@ class Conditional:
             raise InvalidQuery(f"update needs a function of the entity, not {type(fn).__name__}")
         if type(retries) is not int or retries < 0:
             raise InvalidQuery(f"retries must be an int, 0 or more, not {retries!r}")
+        writes = self.writes
+        # A kind placed by its id: the bucket, hashed once for every try.
+        bucket = None if self.placer.keyed else bucket_of(entity_id, writes.buckets)
         conflicts = 0
         for attempt in range(retries + 1):
-            got = self.get_with_version(entity_id)
-            current, version = got if got is not None else (None, 0)
+            stored = self.fetch_one(entity_id, bucket)
+            current = None if stored is None else codec.decode(stored.body)
+            version = 0 if stored is None else stored.version
             new = fn(current)
             if new is None:
                 return current
@@ -180,8 +186,14 @@ class Conditional:
             if new.get("id", entity_id) != entity_id:
                 raise InvalidEntity("update's function returned an entity with another id")
             new["id"] = entity_id
+            expect = {entity_id: version}
             try:
-                self.writes.put([new], {entity_id: version})
+                # Writes.put's short path for an existing row whose write is
+                # the row alone, given the bucket hashed above.
+                if bucket is None or not version or not writes._alone():
+                    writes.put([new], expect)
+                elif writes._update_one(new, expect, bucket) is None:
+                    writes.put([new], expect)  # no row, or a bucket not owned here
                 return new
             except Conflict:
                 conflicts += 1

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from bagstore import codec
 from bagstore.backends import Backend, Stored
-from bagstore.backends.base import TOGETHER_MAX_IDS, read_bodies_together
+from bagstore.backends.base import TOGETHER_MAX_IDS, Dialect, read_bodies_together
 from bagstore.cache.request import _current as _current_request
 from bagstore.codec import decode
 from bagstore.errors import BackendError
@@ -74,6 +74,8 @@ class Reads:
             tuple[tuple[int, ...], bool, int, int],
             tuple[tuple[int, ...], tuple[str | None, ...], tuple[Backend, ...]],
         ] = {}
+        #: fetch_stored's statement in each dialect
+        self._stored_sql: dict[Dialect, str] = {}
 
     def uncached(self) -> bool:
         """Whether reads go straight to the shards: no shared cache level and
@@ -148,15 +150,21 @@ class Reads:
             return [decode(bodies[i]) if i in bodies else None for i in wanted]
         return self.cache.get_many(wanted, self.fetch_many)
 
-    def fetch_stored(self, entity_id: bytes) -> Stored | None:
+    def fetch_stored(self, entity_id: bytes, bucket: int | None = None) -> Stored | None:
         """One entity's row as its shard holds it now (never a cache nor a
         replica), or None: where the id names the bucket, one statement on
-        that bucket's shard."""
+        that bucket's shard (``bucket``: the id's, if the caller hashed it)."""
         by_bucket = self.router.topology.backend_by_bucket
-        if self.placer.keyed or not by_bucket:
+        if self.placer.shard_key is not None or not by_bucket:
             return self.fetch_many([entity_id]).get(entity_id)
-        backend = by_bucket[bucket_of(entity_id, len(by_bucket))]
-        rows = backend.read_bodies(self.kind, [entity_id], stamps=True)
+        if bucket is None:
+            bucket = bucket_of(entity_id, len(by_bucket))
+        backend = by_bucket[bucket]
+        dialect = backend.dialect
+        sql = self._stored_sql.get(dialect)
+        if sql is None:  # read_bodies' statement of one id, found with one lookup
+            sql = self._stored_sql[dialect] = dialect.select_bodies_sql(self.kind, 1)
+        rows = backend.fetchall(sql, (entity_id,))
         return Stored(rows[0][1], rows[0][2], rows[0][3]) if rows else None
 
     def fetch_many(self, ids: Iterable[bytes]) -> dict[bytes, Stored]:

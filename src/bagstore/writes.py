@@ -90,12 +90,14 @@ class Writes:
         self.max_body_bytes = max_body_bytes
         self.buckets = router.placement.buckets
 
-    def row(self, entity: object) -> tuple[EntityRow, bool]:
-        """Validate and encode one entity; returns the row and whether the id is new."""
+    def row(self, entity: object, bucket: int | None = None) -> tuple[EntityRow, bool]:
+        """Validate and encode one entity; returns the row and whether the id
+        is new.  ``bucket``: the entity's, when the caller hashed its id
+        already (a kind placed by its id)."""
         entity_id, body, fresh = self._body(entity)
-        bucket = self.placer.entity_bucket(cast("dict[str, Any]", entity), entity_id)
-        row = EntityRow(entity_id, bucket, time.time_ns() // 1000, body)
-        return row, fresh
+        if bucket is None:
+            bucket = self.placer.entity_bucket(cast("dict[str, Any]", entity), entity_id)
+        return EntityRow(entity_id, bucket, time.time_ns() // 1000, body), fresh
 
     def rows_of(self, entities: list[dict[str, Any]]) -> list[tuple[bytes, int, bytes, bool]]:
         """:meth:`row` of each entity, as ``(id, bucket, body, fresh)`` (the
@@ -329,26 +331,31 @@ class Writes:
 
     def _alone(self) -> bool:
         """Whether an entity's write is its row alone: no index to maintain, no
-        lookup row, no shared cache level to lease keys in."""
-        return (
-            not self.placer.keyed and self.cache.cache is None and not self.registry().maintained()
-        )
+        lookup row, no shared cache level to lease keys in.  (The registry is
+        asked each time: it re-reads the placement and the indexes when due.)"""
+        if self.placer.shard_key is not None or self.cache.cache is not None:
+            return False
+        registry = self.registry()
+        return not registry.by_table or not registry.maintained()
 
-    def _update_one(self, entity: dict[str, Any], expect: Mapping[bytes, int]) -> bytes | None:
-        """A conditional put of one existing entity that is its row alone: one
-        fenced ``UPDATE ... WHERE version = expected``.  If it changed nothing,
-        the row is read: at another version, that is the ``Conflict``; else
-        (no row, or a bucket not owned) None, and the whole write path finds
-        out why.  (A copy left on a shard that let the bucket go takes no
-        write, so its version is still the one expected: it never passes
-        for a conflict.)"""
-        row, fresh = self.row(entity)
+    def _update_one(
+        self, entity: dict[str, Any], expect: Mapping[bytes, int], bucket: int | None = None
+    ) -> bytes | None:
+        """A conditional put of one existing entity that is its row alone (see
+        :meth:`_alone`): one fenced ``UPDATE ... WHERE version = expected``.
+        If it changed nothing, the row is read: at another version, that is
+        the ``Conflict``; else (no row, or a bucket not owned) None, and the
+        whole write path finds out why.  (A copy left on a shard that let the
+        bucket go takes no write, so its version is still the one expected:
+        it never passes for a conflict.)  ``bucket``: as for :meth:`row`."""
+        row, fresh = self.row(entity, bucket)
         expected = expect.get(row.id, 0)
         if fresh or expected <= 0:
             return None
-        row = EntityRow(row.id, row.bucket, time.time_ns() // 1000, row.body)
-        versions: dict[bytes, int] = {}
-        backend = self.router.topology.backend_of(row.bucket)
+        cache = self.cache
+        idle = cache.idle()
+        versions: dict[bytes, int] | None = None if idle else {}
+        backend = self.router.topology.backend_by_bucket[row.bucket]
         testing.hit("put.before_entity")
         if not backend.update_if(self.kind, row, expected, versions, moves=False):
             found = backend.read_bodies(self.kind, [row.id], stamps=True)
@@ -356,8 +363,8 @@ class Writes:
                 raise conflict({row.id: int(found[0][2])}, [], "put")
             return None
         testing.hit("put.after_entity")
-        if not self.cache.idle():
-            self.cache.puts_committed([row], versions, self.fetch_many)
+        if versions is not None:
+            cache.puts_committed([row], versions, self.fetch_many)
         return row.id
 
     def _beside(self, bucket: int, other: int) -> bool:

@@ -272,6 +272,27 @@ class SQLiteBackend(Backend):
         rows: list[tuple[Any, ...]] = self._read(sql, params, one=False)
         return rows
 
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """One statement in autocommit mode, its row count: on the thread's
+        idle connection, through its kept cursor, as reads go (the generic
+        path's unit of work, a cursor made and closed, were a fifth of a
+        one-statement conditional update's ~45 us).  A statement refused
+        because the file is locked changed nothing: it goes through
+        :meth:`run`, which waits and tries again."""
+        local = self._local
+        cur: sqlite3.Cursor | None = getattr(local, "cur", None)
+        if cur is None or local.busy:  # first use, or inside a unit of work
+            return super().execute(sql, params)
+        try:
+            return cur.execute(sql, params).rowcount
+        except sqlite3.Error as exc:
+            if _is_busy(exc):
+                return super().execute(sql, params)
+            error = self.translated(exc)
+            if isinstance(error, ShardUnavailable):
+                self._discard(local.conn)
+            raise error from exc
+
     def run(self, work: Callable[..., T], *args: Any, attempts: int = 5) -> T:
         """:meth:`Backend.run`, run again while the database is locked by another
         connection (short waits, see the module's text), for ``busy_timeout``
