@@ -190,9 +190,9 @@ class Conditional:
             try:
                 # Writes.put's short path for an existing row whose write is
                 # the row alone, given the bucket hashed above.
-                if bucket is None or not version or not writes._alone():
+                if bucket is None or not version or not writes.alone():
                     writes.put([new], expect)
-                elif writes._update_one(new, expect, bucket) is None:
+                elif writes.update_one(new, expect, bucket) is None:
                     writes.put([new], expect)  # no row, or a bucket not owned here
                 return new
             except Conflict:

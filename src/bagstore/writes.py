@@ -145,7 +145,7 @@ class Writes:
             if expect is None:
                 done = put_one(self, entities[0])
             else:
-                done = self._update_one(entities[0], expect) if self._alone() else None
+                done = self.update_one(entities[0], expect) if self.alone() else None
             if done is not None:
                 return [done]
         prepared = self.rows_of(entities)
@@ -329,7 +329,7 @@ class Writes:
                 out[entity_id][table] = made
         return out
 
-    def _alone(self) -> bool:
+    def alone(self) -> bool:
         """Whether an entity's write is its row alone: no index to maintain, no
         lookup row, no shared cache level to lease keys in.  (The registry is
         asked each time: it re-reads the placement and the indexes when due.)"""
@@ -338,11 +338,11 @@ class Writes:
         registry = self.registry()
         return not registry.by_table or not registry.maintained()
 
-    def _update_one(
+    def update_one(
         self, entity: dict[str, Any], expect: Mapping[bytes, int], bucket: int | None = None
     ) -> bytes | None:
         """A conditional put of one existing entity that is its row alone (see
-        :meth:`_alone`): one fenced ``UPDATE ... WHERE version = expected``.
+        :meth:`alone`): one fenced ``UPDATE ... WHERE version = expected``.
         If it changed nothing, the row is read: at another version, that is
         the ``Conflict``; else (no row, or a bucket not owned) None, and the
         whole write path finds out why.  (A copy left on a shard that let the
