@@ -242,8 +242,6 @@ class Backend(EntityOps, BucketOps, IndexOps):
         #: ``select_bodies_sql(kind, 1, stamps=False)`` by kind: a point read's
         #: statement, found with one lookup (see ``get_body``)
         self._point_sql: dict[str, str] = {}
-        #: ``put_one_prepared`` by kind and shape (None: the dialect has none)
-        self._prepared_memo: dict[tuple[Any, ...], Any] = {}
 
     def sql(self, builder: str, *args: Any, **kwargs: Any) -> str:
         """``self.dialect.<builder>(*args, **kwargs)``, built once per process:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from bagstore.backends.buckets import ownership_error
 from bagstore.backends.changesql import skip_sql
-from bagstore.backends.entitysql import NOT_OWNED, EntitySQL, Prepared
+from bagstore.backends.entitysql import NOT_OWNED, EntitySQL
 from bagstore.backends.pipeline import later
 from bagstore.errors import ConfigurationError, StalePlacement
 from bagstore.versions import clock
@@ -77,7 +77,6 @@ class EntityOps:
     _schema_lock: threading.Lock
     _ready_kinds: set[str]
     _point_sql: dict[str, str]
-    _prepared_memo: dict[tuple[Any, ...], Prepared | None]
 
     # Provided by Backend and BucketOps; declared for the type checker only (a
     # stub defined here would hide BucketOps's at run time).
@@ -272,14 +271,12 @@ class EntityOps:
             return False
 
         params = {"id": row.id, "bucket": row.bucket, "updated": row.updated, "body": row.body}
-        prepared = self._prepared_put(kind, versions is not None)
 
         def work(conn: Any) -> Any:
             cur = conn.cursor()
             try:
                 try:
-                    if prepared is None or not _execute_prepared(cur, conn, prepared, params):
-                        cur.execute(sql, params)
+                    cur.execute(sql, params)
                 except self.driver_errors as exc:
                     if NOT_OWNED in str(exc):
                         return None
@@ -296,12 +293,6 @@ class EntityOps:
         if versions is not None:
             versions[row.id] = int(found[0])
         return True
-
-    def _prepared_put(self, kind: str, returning: bool) -> Prepared | None:
-        key = ("put_one_prepared", kind, returning)
-        if key not in self._prepared_memo:
-            self._prepared_memo[key] = self.dialect.put_one_prepared(kind, returning)
-        return self._prepared_memo[key]
 
     def update_if(
         self,
@@ -529,44 +520,3 @@ def _flatten(rows: Sequence[EntityRow], versions: Mapping[bytes, int]) -> list[A
     for r in rows:
         extend((r.id, r.bucket, r.updated, versions[r.id], r.body))
     return out
-
-
-#: The server's errors of a prepared statement gone (its connection's session
-#: was reset) and of too many prepared statements (``max_prepared_stmt_count``).
-_UNKNOWN_STATEMENT, _TOO_MANY_STATEMENTS = 1243, 1461
-
-
-def _execute_prepared(cur: Any, conn: Any, prepared: Prepared, params: Mapping[str, Any]) -> bool:
-    """Run ``prepared`` on ``conn`` (preparing it there first if this
-    connection has not); False, having run nothing, where the server will
-    not hold one more prepared statement (the caller sends the text)."""
-    done: dict[str, bool] | None = getattr(conn, "bagstore_prepared", None)
-    if done is None:
-        done = conn.bagstore_prepared = {}
-    values = [params[p] for p in prepared.order]
-    for attempt in (1, 2):
-        ready = done.get(prepared.name)
-        if ready is False:
-            return False
-        if ready is None:
-            try:
-                cur.execute(prepared.prepare, (prepared.text,))
-            except Exception as exc:
-                if _errno(exc) == _TOO_MANY_STATEMENTS:
-                    done[prepared.name] = False
-                    return False
-                raise
-            done[prepared.name] = True
-        try:
-            cur.execute(prepared.execute, values)
-            return True
-        except Exception as exc:
-            if attempt == 2 or _errno(exc) != _UNKNOWN_STATEMENT:
-                raise
-            del done[prepared.name]  # prepared again, once
-    raise AssertionError("unreachable")
-
-
-def _errno(exc: BaseException) -> int | None:
-    code = exc.args[0] if exc.args else None
-    return code if isinstance(code, int) else None

@@ -6,26 +6,13 @@ runs them."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
-__all__ = ["NOT_OWNED", "EntitySQL", "Prepared"]
+__all__ = ["NOT_OWNED", "EntitySQL"]
 
 #: The error text a statement signals when a bucket is not owned here (see
 #: ``EntitySQL.put_one_sql``).
 NOT_OWNED = "bagstore: bucket not owned here"
-
-
-class Prepared(NamedTuple):
-    """A statement prepared on the server once per connection: ``prepare``
-    (its text the one parameter), ``text`` (the statement, ``?`` for each
-    parameter), ``execute`` (run it, with ``order``: the named parameters'
-    values in the order ``execute`` takes them) and its ``name``."""
-
-    name: str
-    prepare: str
-    text: str
-    execute: str
-    order: tuple[str, ...]
 
 
 class EntitySQL:
@@ -89,11 +76,6 @@ class EntitySQL:
         dialect may return no result without ``returning``); a bucket not
         owned here gives no row, or the error :data:`NOT_OWNED`.  None where
         no statement can (then a transaction does it)."""
-        return None
-
-    def put_one_prepared(self, kind: str, returning: bool = True) -> Prepared | None:
-        """:meth:`put_one_sql` as a statement the server parses once per
-        connection, where the dialect has such statements; else None."""
         return None
 
     def conditional_update_sql(self, kind: str, moves: bool) -> str:

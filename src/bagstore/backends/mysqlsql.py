@@ -8,13 +8,11 @@ connections, their timeouts and the driver quirks are in ``mysql.py``.
 
 from __future__ import annotations
 
-import hashlib
-import re
 from collections.abc import Sequence
 from typing import ClassVar
 
 from bagstore.backends.base import Dialect
-from bagstore.backends.entitysql import NOT_OWNED, Prepared
+from bagstore.backends.entitysql import NOT_OWNED
 from bagstore.backends.seqsql import MySQLSequenceSQL, SequenceSQL
 
 __all__ = ["MySQLDialect"]
@@ -25,10 +23,6 @@ _STAMPS = (
 )
 
 _ENGINE = "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
-
-
-#: A named parameter of a statement (``%(id)s``).
-_NAMED = re.compile(r"%\((\w+)\)s")
 
 
 class MySQLDialect(Dialect):
@@ -157,23 +151,6 @@ class MySQLDialect(Dialect):
 
     def widen_version_sql(self, kind: str) -> list[str]:
         return [f"ALTER TABLE {self.q(kind)} MODIFY version BIGINT UNSIGNED NOT NULL DEFAULT 1"]
-
-    def put_one_prepared(self, kind: str, returning: bool = True) -> Prepared | None:
-        # MariaDB prepares a compound statement: parsed once per connection,
-        # then each put is an EXECUTE of it (the parse of the whole block was
-        # most of what the one-statement put cost over a plain upsert).
-        text = self.put_one_sql(kind, returning)
-        if text is None:
-            return None
-        order = tuple(_NAMED.findall(text))
-        name = "bagstore_put_" + hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
-        return Prepared(
-            name,
-            f"PREPARE {name} FROM %s",
-            _NAMED.sub("?", text),
-            f"EXECUTE {name} USING {', '.join(['%s'] * len(order))}",
-            order,
-        )
 
     def put_one_sql(self, kind: str, returning: bool = True) -> str | None:
         # MariaDB's compound statement: the ownership check, the row lock, the
