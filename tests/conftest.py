@@ -11,6 +11,8 @@ Outside CI a missing server skips its tests; in CI (``CI=true``) it fails them.
 from __future__ import annotations
 
 import os
+import sqlite3
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -162,3 +164,26 @@ def _no_stray_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("BAGSTORE_MYSQL_"):
             monkeypatch.delenv(key)
+
+
+@contextmanager
+def sqlite_write_lock_held(path: str, seconds: float = 0.15) -> Iterator[list[str]]:
+    """Another connection holds the SQLite file's write lock for ``seconds``
+    from the start of the block; the list given gets ``"released"`` when it
+    lets go (the block's own events appended after it show what waited)."""
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    events: list[str] = []
+
+    def release() -> None:
+        threading.Event().wait(seconds)
+        events.append("released")
+        holder.execute("COMMIT")
+
+    thread = threading.Thread(target=release)
+    thread.start()
+    try:
+        yield events
+    finally:
+        thread.join()
+        holder.close()

@@ -15,7 +15,7 @@ from bagstore.cache.base import decode_value
 from bagstore.errors import ShardTimeout
 from bagstore.sharding.hashing import bucket_of
 from tests import servers
-from tests.conftest import Topology
+from tests.conftest import Topology, sqlite_write_lock_held
 from tests.test_cache import cache_url, memcached_server, redis_url  # noqa: F401
 
 BY_LINK = bagstore.Index(table="index_link", properties=["link"])
@@ -339,32 +339,17 @@ def test_sqlite_update_waits_for_a_lock_another_connection_holds(tmp_path: Any) 
     file locked by another connection makes it wait and try again (nothing
     was written by the refused statement), and a statement that fails for
     another reason is a bagstore error that leaves the connection usable."""
-    import sqlite3
-    import threading
-
     ds = bagstore.open(tmp_path, shards=1)
     try:
         entity_id = ds.put({"n": 0})
         ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})  # the connection is made
         backend = ds.router.backends[0]
-        holder = sqlite3.connect(backend.path, isolation_level=None, check_same_thread=False)
-        holder.execute("BEGIN IMMEDIATE")  # the write lock, held by someone else
-        events: list[str] = []
-
-        def release() -> None:
-            threading.Event().wait(0.15)
-            events.append("released")
-            holder.execute("COMMIT")
-
-        thread = threading.Thread(target=release)
-        thread.start()
-        # (raw SQL only to reach the backend's execute path)
-        stamp = 'UPDATE "entities" SET updated = updated + 1 WHERE id = ?'
-        assert backend.execute(stamp, [entity_id]) == 1  # the thread's idle connection
-        assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 2
-        events.append("updated")
-        thread.join()
-        holder.close()
+        with sqlite_write_lock_held(backend.path) as events:
+            # (raw SQL only to reach the backend's execute path)
+            stamp = 'UPDATE "entities" SET updated = updated + 1 WHERE id = ?'
+            assert backend.execute(stamp, [entity_id]) == 1  # the thread's idle connection
+            assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 2
+            events.append("updated")
         assert events == ["released", "updated"]
         with pytest.raises(bagstore.BackendError):
             backend.execute("UPDATE no_such_table SET n = 1")

@@ -13,7 +13,7 @@ import pytest
 import bagstore
 from bagstore.sharding.hashing import bucket_of, buckets_of
 from tests import servers
-from tests.conftest import Topology
+from tests.conftest import Topology, sqlite_write_lock_held
 
 FRIENDFEED_ENTITY = {
     "id": binascii.a2b_hex("71f0c4d2291844cca2df6f486e96e37c"),
@@ -228,28 +228,12 @@ def test_mysqlclient_driver_round_trips(mysql_main: servers.MySQLAddress) -> Non
 
 
 def test_sqlite_writer_waits_for_a_lock_another_connection_holds(tmp_path: Path) -> None:
-    import sqlite3
-
     ds = bagstore.open(tmp_path, shards=1)
     try:
         ds.put({"n": 0})
-        holder = sqlite3.connect(
-            ds.router.backends[0].path, isolation_level=None, check_same_thread=False
-        )
-        holder.execute("BEGIN IMMEDIATE")  # the write lock, held by someone else
-        events: list[str] = []
-
-        def release() -> None:
-            threading.Event().wait(0.15)
-            events.append("released")
-            holder.execute("COMMIT")
-
-        thread = threading.Thread(target=release)
-        thread.start()
-        entity_id = ds.put({"n": 1})  # waits for the lock instead of failing
-        events.append("put")
-        thread.join()
-        holder.close()
+        with sqlite_write_lock_held(ds.router.backends[0].path) as events:
+            entity_id = ds.put({"n": 1})  # waits for the lock instead of failing
+            events.append("put")
         assert events == ["released", "put"]
         assert ds.get(entity_id) == {"id": entity_id, "n": 1}
     finally:
