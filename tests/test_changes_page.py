@@ -245,8 +245,8 @@ def test_range_reads_give_the_rows_asked_with_or_without_sqlite_json(
     expected = [
         (b, pos) for s in sorted(by_shard) for b, lo, hi in by_shard[s] for pos in range(lo, hi + 1)
     ]
-    for json_ok in ([True], [False]):
-        monkeypatch.setattr(changesql, "_json_ok", json_ok)
+    for json_ok in (True, False):
+        monkeypatch.setattr(changesql, "_sqlite_json", lambda ok=json_ok: ok)
         got = feed._read_ranges(by_shard)
         assert sorted((r[0], r[1]) for r in got) == expected
         for shard, ranges in by_shard.items():

@@ -189,11 +189,13 @@ class Conditional:
             expect = {entity_id: version}
             try:
                 # Writes.put's short path for an existing row whose write is
-                # the row alone, given the bucket hashed above.
-                if bucket is None or not version or not writes.alone():
+                # the row alone, given the bucket hashed above; else (or no
+                # row, or a bucket not owned here) the whole put
+                done = None
+                if bucket is not None and version and writes.alone():
+                    done = writes.update_one(new, expect, bucket)
+                if done is None:
                     writes.put([new], expect)
-                elif writes.update_one(new, expect, bucket) is None:
-                    writes.put([new], expect)  # no row, or a bucket not owned here
                 return new
             except Conflict:
                 conflicts += 1

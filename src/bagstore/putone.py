@@ -91,13 +91,10 @@ def put_one(writes: Writes, entity: Any) -> bytes | None:
     except KeyMigrating:
         return None  # rolled back: the general path waits for the move
     testing.hit("put.after_entity")
-    idle = cache.idle()
-    if not idle:
-        cache.puts_committed([row], versions, writes.fetch_many)
+    cache.puts_committed([row], versions, writes.fetch_many)
     if indexes:
         testing.hit("put.after_index_delete")  # (every row is written already)
-        if not idle:
-            cache.rows_written(made[0] if made else [], (), registry)
+        cache.rows_written(made[0] if made else [], (), registry)
     if fresh:
         entity["id"] = entity_id
     return entity_id

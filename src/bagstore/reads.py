@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from bagstore import codec
 from bagstore.backends import Backend, Stored
-from bagstore.backends.base import TOGETHER_MAX_IDS, Dialect, read_bodies_together
+from bagstore.backends.base import TOGETHER_MAX_IDS, read_bodies_together
 from bagstore.cache.request import _current as _current_request
 from bagstore.codec import decode
 from bagstore.errors import BackendError
@@ -74,8 +74,6 @@ class Reads:
             tuple[tuple[int, ...], bool, int, int],
             tuple[tuple[int, ...], tuple[str | None, ...], tuple[Backend, ...]],
         ] = {}
-        #: fetch_stored's statement in each dialect
-        self._stored_sql: dict[Dialect, str] = {}
 
     def uncached(self) -> bool:
         """Whether reads go straight to the shards: no shared cache level and
@@ -159,12 +157,7 @@ class Reads:
             return self.fetch_many([entity_id]).get(entity_id)
         if bucket is None:
             bucket = bucket_of(entity_id, len(by_bucket))
-        backend = by_bucket[bucket]
-        dialect = backend.dialect
-        sql = self._stored_sql.get(dialect)
-        if sql is None:  # read_bodies' statement of one id, found with one lookup
-            sql = self._stored_sql[dialect] = dialect.select_bodies_sql(self.kind, 1)
-        rows = backend.fetchall(sql, (entity_id,))
+        rows = by_bucket[bucket].read_bodies(self.kind, [entity_id], stamps=True)
         return Stored(rows[0][1], rows[0][2], rows[0][3]) if rows else None
 
     def fetch_many(self, ids: Iterable[bytes]) -> dict[bytes, Stored]:

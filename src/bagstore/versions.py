@@ -53,8 +53,10 @@ def clock() -> int:
     return now
 
 
-def next_version(found: int | None) -> int:
+def next_version(found: int | None, now: int | None = None) -> int:
     """The version a write gives a row whose version was ``found`` (None: no
-    row); read the clock only once the row is locked."""
-    now = clock()
+    row); read the clock only once the row is locked (``now``: the clock
+    read once for a transaction's rows, after their locks)."""
+    if now is None:
+        now = clock()
     return now if found is None or found < now else found + 1

@@ -352,10 +352,8 @@ class Writes:
         expected = expect.get(row.id, 0)
         if fresh or expected <= 0:
             return None
-        cache = self.cache
-        idle = cache.idle()
-        versions: dict[bytes, int] | None = None if idle else {}
-        backend = self.router.topology.backend_by_bucket[row.bucket]
+        versions: dict[bytes, int] = {}
+        backend = self.router.topology.backend_of(row.bucket)
         testing.hit("put.before_entity")
         if not backend.update_if(self.kind, row, expected, versions, moves=False):
             found = backend.read_bodies(self.kind, [row.id], stamps=True)
@@ -363,8 +361,7 @@ class Writes:
                 raise conflict({row.id: int(found[0][2])}, [], "put")
             return None
         testing.hit("put.after_entity")
-        if versions is not None:
-            cache.puts_committed([row], versions, self.fetch_many)
+        self.cache.puts_committed([row], versions, self.fetch_many)
         return row.id
 
     def _beside(self, bucket: int, other: int) -> bool:

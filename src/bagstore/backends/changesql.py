@@ -31,6 +31,7 @@ Nothing here decides which shard to ask: that is :mod:`bagstore.changes`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Sequence
@@ -299,24 +300,22 @@ _JSON_READ = (
     "CROSS JOIN {table} AS c WHERE c.kind = {p} AND c.bucket = json_extract(r.value, '$[0]') "
     "AND c.pos >= json_extract(r.value, '$[1]') AND c.pos <= json_extract(r.value, '$[2]')"
 )
-_json_ok: list[bool] = []
 
 
+@functools.cache
 def _sqlite_json() -> bool:
     """Whether this process's SQLite has its JSON functions (built in since
     3.38, and in most builds before): asked once."""
-    if not _json_ok:
-        import sqlite3
+    import sqlite3
 
-        conn = sqlite3.connect(":memory:")
-        try:
-            conn.execute("SELECT value FROM json_each('[1]')").fetchall()
-            _json_ok.append(True)
-        except sqlite3.Error:
-            _json_ok.append(False)
-        finally:
-            conn.close()
-    return _json_ok[0]
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.execute("SELECT value FROM json_each('[1]')").fetchall()
+        return True
+    except sqlite3.Error:
+        return False
+    finally:
+        conn.close()
 
 
 def _ranges_sql(

@@ -21,7 +21,7 @@ from bagstore.backends.changesql import skip_sql
 from bagstore.backends.entitysql import NOT_OWNED, EntitySQL
 from bagstore.backends.pipeline import later
 from bagstore.errors import ConfigurationError, StalePlacement
-from bagstore.versions import clock
+from bagstore.versions import clock, next_version
 
 if TYPE_CHECKING:
     from bagstore.backends.base import Dialect
@@ -247,10 +247,7 @@ class EntityOps:
                 # The clock is read with the rows locked (bagstore.versions):
                 # once for them all, each row's version next_version's.
                 now = clock()
-                new: dict[bytes, int] = {}
-                for r in rows:
-                    v = found.get(r.id)
-                    new[r.id] = now if v is None or v < now else v + 1
+                new = {r.id: next_version(found.get(r.id), now) for r in rows}
                 for chunk in self._chunks(rows):
                     later(
                         cur, self.sql("write_entities_sql", kind, len(chunk)), _flatten(chunk, new)

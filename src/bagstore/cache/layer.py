@@ -390,7 +390,7 @@ class CacheLayer(PageReads):
         the others are read back (a version read after the commit is the
         write's own or a later one, which is as good for a marker).
         """
-        if self.cache is None and current() is None:
+        if self.idle():
             return  # no level to tell (after_write would do nothing)
         known = dict(versions)
         if self.cache is not None:
@@ -407,6 +407,8 @@ class CacheLayer(PageReads):
         self, changes: Sequence[Change], claims: Sequence[Claim], registry: Registry
     ) -> None:
         """Index rows were written: bump the revisions of the scopes they touch."""
+        if self.idle():
+            return
         unready = [t for t, (_, state) in registry.by_table.items() if state != READY]
         self.after_write({}, {}, changes, claims, unready)
 

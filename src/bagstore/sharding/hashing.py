@@ -35,12 +35,8 @@ def buckets_of(keys: Iterable[bytes], buckets: int) -> dict[bytes, int]:
     >>> list(buckets_of([bytes(16)], 1024).values())
     [14]
     """
-    out: dict[bytes, int] = {}
-    for key in keys:
-        h = _EMPTY.copy()
-        h.update(key)
-        out[key] = int.from_bytes(h.digest(), "big") % buckets
-    return out
+    keys = list(keys)
+    return dict(zip(keys, bucket_list(keys, buckets), strict=True))
 
 
 def bucket_list(keys: Iterable[bytes], buckets: int) -> list[int]:
