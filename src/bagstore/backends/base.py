@@ -21,7 +21,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
 
 from bagstore.backends.buckets import BucketOps
@@ -392,32 +392,25 @@ class Backend(EntityOps, BucketOps, IndexOps):
         where the connection can send several statements at once)."""
         return conn.cursor()
 
-    def writing(self) -> AbstractContextManager[Any]:
-        """Held around each write transaction (and one-statement entity
-        write): where the database takes one writer at a time (SQLite), this
-        process's writers queue here rather than polling the database's lock."""
-        return nullcontext()
-
     @contextmanager
     def transaction(self, conn: Any) -> Iterator[Any]:
         """A write transaction on ``conn``; yields a cursor; commits at the end.
         Statements run on it with :func:`bagstore.backends.pipeline.later`
         may be sent only with the next one whose result is read, or the
         commit (statements held back are dropped by a rollback)."""
-        with self.writing():
-            cur = self._write_cursor(conn)
-            try:
-                self._begin(cur)
-                yield cur
-                if isinstance(cur, Pipeline):
-                    cur.commit()
-                else:
-                    conn.commit()
-            except BaseException:
-                self._rollback_quietly(conn)
-                raise
-            finally:
-                cur.close()
+        cur = self._write_cursor(conn)
+        try:
+            self._begin(cur)
+            yield cur
+            if isinstance(cur, Pipeline):
+                cur.commit()
+            else:
+                conn.commit()
+        except BaseException:
+            self._rollback_quietly(conn)
+            raise
+        finally:
+            cur.close()
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Run one statement in autocommit mode; return its row count."""

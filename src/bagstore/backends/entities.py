@@ -88,8 +88,6 @@ class EntityOps:
 
         def transaction(self, conn: Any) -> AbstractContextManager[Any]: ...
 
-        def writing(self) -> AbstractContextManager[Any]: ...
-
         def execute(self, sql: str, params: Sequence[Any] = ()) -> int: ...
 
         def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
@@ -282,8 +280,7 @@ class EntityOps:
             finally:
                 cur.close()
 
-        with self.writing():
-            found = self.run(work)
+        found = self.run(work)
         if found is None:  # the bucket is not owned here (or is frozen)
             self.check_owned([row.bucket])
             return False
@@ -309,8 +306,7 @@ class EntityOps:
         params = [row.updated, new, row.body, row.id, expected, row.bucket]
         if moves:
             params.insert(0, row.bucket)
-        with self.writing():
-            n = self.execute(self.sql("conditional_update_sql", kind, moves), params)
+        n = self.execute(self.sql("conditional_update_sql", kind, moves), params)
         if n != 1:
             return False
         if versions is not None:

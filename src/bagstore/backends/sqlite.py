@@ -3,15 +3,20 @@
 Each thread keeps its own connection to each shard file (SQLite connections are
 cheap and this costs nothing per operation); a write transaction starts with
 ``BEGIN IMMEDIATE`` so that concurrent writers queue for the write lock instead
-of failing to upgrade a read lock.  They queue in bagstore, not in SQLite's own
-busy handler: that one sleeps 1, 2, 5, 10 ms... between tries, so a writer that
-finds the lock held for a fraction of a millisecond waited at least 1 ms and
-often 8 or 18.  Here a unit of work refused with ``SQLITE_BUSY`` is run again
-after 50 µs, doubling up to 0.5 ms, until ``busy_timeout`` seconds have passed.
-Writers of one process first queue on a lock of their own per file
-(:meth:`SQLiteBackend.writing`), waiting with the GIL released: eight threads
-polling the file's lock slowed the one that held it (8 writers of one process:
-0.46x raw SQL's 8 threads before, 0.62x after).
+of failing to upgrade a read lock.  A writer that finds the file locked waits
+in SQLite's own busy handler (``PRAGMA busy_timeout``), which sleeps 1, 2, 5,
+10 ms... between tries with the GIL released: threads that have other work
+run meanwhile, and the one that holds the lock finishes sooner.  Measured
+against the two ways bagstore waited before, a lock of its own per file
+(the GIL released) in front of ``BEGIN IMMEDIATE`` and polling ``SQLITE_BUSY``
+every 50 µs to 0.5 ms: 8 writers of one process 0.53x -> 0.77x raw SQL's 8
+threads, 4 contending ``update(fn)`` 9,000 -> 13,500 updates/s.  The lock
+holder needed the GIL back after each statement to go on and, in the end, to
+let the next one in, while the threads waiting for it kept waking up for it.
+A ``SQLITE_BUSY`` that the handler does not cover (SQLite returns some at
+once, such as a WAL read snapshot that went stale) runs the unit of work
+again after 50 µs, doubling up to 0.5 ms; ``busy_timeout`` seconds from the
+first try, the error is raised.
 
 An index scan joined with every shard's entity table (a query that scans one
 shard, see ``Datastore.scan_streams``) goes through one more connection per
@@ -231,10 +236,10 @@ class SQLiteBackend(Backend):
         self.path = path
         self._synchronous = synchronous.upper()
         self._busy_timeout = busy_timeout
+        self._busy_ms = max(0, round(busy_timeout * 1000))
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
-        self._writers = threading.RLock()  # see writing()
         if path != ":memory:":
             # Files of one process can be read together (see the module's text),
             # each under a name derived from its path.
@@ -277,8 +282,9 @@ class SQLiteBackend(Backend):
         idle connection, through its kept cursor, as reads go (the generic
         path's unit of work, a cursor made and closed, were a fifth of a
         one-statement conditional update's ~45 us).  A statement refused
-        because the file is locked changed nothing: it goes through
-        :meth:`run`, which waits and tries again."""
+        because the file is locked changed nothing: after SQLite's busy
+        handler gave up it is a ShardTimeout; a refusal the handler does not
+        cover goes through :meth:`run`, which waits and tries again."""
         local = self._local
         cur: sqlite3.Cursor | None = getattr(local, "cur", None)
         if cur is None or local.busy:  # first use, or inside a unit of work
@@ -287,6 +293,8 @@ class SQLiteBackend(Backend):
             return cur.execute(sql, params).rowcount
         except sqlite3.Error as exc:
             if _is_busy(exc):
+                if self._waited(exc):
+                    raise self._locked_error() from exc
                 return super().execute(sql, params)
             error = self.translated(exc)
             if isinstance(error, ShardUnavailable):
@@ -294,9 +302,10 @@ class SQLiteBackend(Backend):
             raise error from exc
 
     def run(self, work: Callable[..., T], *args: Any, attempts: int = 5) -> T:
-        """:meth:`Backend.run`, run again while the database is locked by another
-        connection (short waits, see the module's text), for ``busy_timeout``
-        seconds at most."""
+        """:meth:`Backend.run`, run again after a ``SQLITE_BUSY`` that SQLite's
+        busy handler does not cover (short waits, see the module's text), for
+        ``busy_timeout`` seconds at most; one that it covered has waited that
+        long already and is raised at once."""
         deadline: float | None = None
         wait = _BUSY_FIRST_WAIT
         while True:
@@ -307,13 +316,24 @@ class SQLiteBackend(Backend):
                     raise
                 now = time.monotonic()
                 deadline = now + self._busy_timeout if deadline is None else deadline
-                if now >= deadline:
-                    raise ShardTimeout(
-                        f"{self.name}: the database stayed locked by another connection for "
-                        f"{self._busy_timeout:g} s (busy_timeout)"
-                    ) from exc.__cause__
+                if now >= deadline or self._waited(exc.__cause__):
+                    raise self._locked_error() from exc.__cause__
             time.sleep(min(wait, deadline - now))
             wait = min(2 * wait, _BUSY_MAX_WAIT)
+
+    def _waited(self, exc: BaseException | None) -> bool:
+        """Whether the busy error ``exc`` came after SQLite's busy handler had
+        waited ``busy_timeout``: a plain ``SQLITE_BUSY`` (in WAL mode the busy
+        codes returned without waiting are extended ones: BUSY_SNAPSHOT,
+        BUSY_RECOVERY)."""
+        code = getattr(exc, "sqlite_errorcode", None)
+        return self._busy_ms > 0 and code == sqlite3.SQLITE_BUSY
+
+    def _locked_error(self) -> ShardTimeout:
+        return ShardTimeout(
+            f"{self.name}: the database stayed locked by another connection for "
+            f"{self._busy_timeout:g} s (busy_timeout)"
+        )
 
     def _read(self, sql: str, params: Sequence[Any], *, one: bool) -> Any:
         local = self._local
@@ -338,6 +358,8 @@ class SQLiteBackend(Backend):
         it again as writers wait when the file was locked, else raise the
         error (the connection discarded if the file is unavailable)."""
         if _is_busy(exc):  # rare for a read in WAL mode: wait as writers do
+            if self._waited(exc):
+                raise self._locked_error() from exc
             return self.run(_fetch, sql, params, one)
         error = self.translated(exc)
         if isinstance(error, ShardUnavailable):
@@ -361,7 +383,7 @@ class SQLiteBackend(Backend):
                     uri=True,
                     cached_statements=512,  # statements over several files vary more
                 )
-                conn.execute("PRAGMA busy_timeout=0")  # waits as in run(), below
+                conn.execute(f"PRAGMA busy_timeout={self._busy_ms}")
                 with self._lock:
                     self._all.append(conn)
                 local.conn, local.attached = conn, {}
@@ -373,7 +395,7 @@ class SQLiteBackend(Backend):
             try:
                 return conn.execute(sql, params).fetchall()
             except sqlite3.OperationalError as exc:
-                if not _is_busy(exc):
+                if not _is_busy(exc) or self._waited(exc):
                     raise
             deadline = time.monotonic() + self._busy_timeout
             wait = _BUSY_FIRST_WAIT
@@ -383,7 +405,7 @@ class SQLiteBackend(Backend):
                 try:
                     return conn.execute(sql, params).fetchall()
                 except sqlite3.OperationalError as exc:
-                    if not _is_busy(exc) or time.monotonic() >= deadline:
+                    if not _is_busy(exc) or self._waited(exc) or time.monotonic() >= deadline:
                         raise
         except sqlite3.Error as exc:
             if conn is not None and isinstance(self.translated(exc), ShardUnavailable):
@@ -422,19 +444,13 @@ class SQLiteBackend(Backend):
         commit pays for copying the bulk pages into the database and its fsync."""
         self._read("PRAGMA wal_checkpoint(PASSIVE)", (), one=True)
 
-    def writing(self) -> threading.RLock:
-        # One writer at a time per file: this process's writers wait on a lock
-        # (the GIL released) instead of polling SQLITE_BUSY alongside the one
-        # that writes; other processes' writers still meet in run().
-        return self._writers
-
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
             self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
         )
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
-        conn.execute("PRAGMA busy_timeout=0")  # bagstore waits for locks itself (see run)
+        conn.execute(f"PRAGMA busy_timeout={self._busy_ms}")  # see the module's text
         conn.create_function("bagstore_clock", 0, clock)  # see SQLiteDialect.put_one_sql
         with self._lock:
             self._all.append(conn)
