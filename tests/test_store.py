@@ -5,6 +5,7 @@ from __future__ import annotations
 import binascii
 import datetime as dt
 import threading
+import time
 import zoneinfo
 from pathlib import Path
 
@@ -252,8 +253,18 @@ def test_sqlite_lock_held_past_busy_timeout_is_a_clear_error(tmp_path: Path) -> 
         backend.execute("INSERT INTO t VALUES (1)")
         holder = sqlite3.connect(path, isolation_level=None)
         holder.execute("BEGIN IMMEDIATE")
-        with pytest.raises(bagstore.ShardTimeout, match=r"stayed locked .* 0.2 s \(busy_timeout\)"):
-            backend.execute("INSERT INTO t VALUES (2)")
+        for attempt in (1, 2):  # the kept cursor's statement, then run()'s unit of work
+            t0 = time.monotonic()
+            with pytest.raises(
+                bagstore.ShardTimeout, match=r"stayed locked .* 0.2 s \(busy_timeout\)"
+            ):
+                if attempt == 1:
+                    backend.execute("INSERT INTO t VALUES (2)")
+                else:
+                    backend.run(lambda conn: conn.execute("INSERT INTO t VALUES (2)"))
+            waited = time.monotonic() - t0
+            # SQLite's busy handler waited busy_timeout; bagstore did not wait it again
+            assert 0.19 <= waited < 0.38, waited
         assert backend.fetchall("SELECT n FROM t") == [(1,)]  # reads go on meanwhile
         holder.execute("ROLLBACK")
         holder.close()
@@ -261,6 +272,30 @@ def test_sqlite_lock_held_past_busy_timeout_is_a_clear_error(tmp_path: Path) -> 
         assert backend.fetchall("SELECT n FROM t ORDER BY n") == [(1,), (3,)]
     finally:
         backend.close()
+
+
+def test_sqlite_busy_after_the_handler_waited_is_told_from_one_it_skipped(
+    tmp_path: Path,
+) -> None:
+    """A plain SQLITE_BUSY comes after SQLite's busy handler waited
+    busy_timeout: raised at once.  The extended codes come without a wait
+    (a stale WAL snapshot, a WAL being recovered): tried again."""
+    import sqlite3
+
+    from bagstore.backends.sqlite import SQLiteBackend
+
+    def busy(code: int) -> sqlite3.OperationalError:
+        exc = sqlite3.OperationalError("database is locked")
+        exc.sqlite_errorcode = code
+        return exc
+
+    waits = SQLiteBackend(str(tmp_path / "a.db"), busy_timeout=0.5)
+    assert waits._waited(busy(sqlite3.SQLITE_BUSY))
+    assert not waits._waited(busy(sqlite3.SQLITE_BUSY_SNAPSHOT))
+    assert not waits._waited(busy(sqlite3.SQLITE_BUSY_RECOVERY))
+    assert not waits._waited(ValueError("not SQLite's"))
+    no_handler = SQLiteBackend(str(tmp_path / "b.db"), busy_timeout=0)
+    assert not no_handler._waited(busy(sqlite3.SQLITE_BUSY))
 
 
 def test_sqlite_read_together_attaches_and_detaches_files(tmp_path: Path) -> None:
