@@ -99,3 +99,40 @@ def test_an_index_row_in_a_frozen_bucket_holds_the_put_back(one: bagstore.Datast
     backend.execute(f"UPDATE bagstore_owned SET state = 0 WHERE bucket = {row_bucket}")
     one.put({"id": eid, "user": user})
     assert [e["id"] for e in BY_USER.get_all(one, user=user)] == [eid]
+
+
+def test_a_held_statement_is_spelled_as_the_driver_spells_it(mysql_main: Any) -> None:
+    """Pipeline spells bytes and ints itself (one pass over a put_many's
+    thousands of parameters): the text is cursor.mogrify's, byte for byte,
+    for every kind of value; a driver that spells them otherwise is left to."""
+    import pymysql
+
+    from bagstore.backends.pipeline import Pipeline
+
+    conn = pymysql.connect(host=mysql_main.host, port=mysql_main.port, user="root")
+    try:
+        cur = conn.cursor()
+        pipe = Pipeline(cur)
+        values = [
+            b"\x00'\\\"%s\xff", b"", 0, -12, 2**63 + 5, True, None, "it's 100% \\", 1.5,
+            bagstore.new_id(),
+        ]  # fmt: skip
+        sql = "SELECT " + ", ".join(["%s"] * len(values)) + " FROM DUAL WHERE 1 %% 2"
+        assert pipe.text(sql, values) == cur.mogrify(sql, values)
+        assert pipe.text("SELECT 5 %% 2") == cur.mogrify("SELECT 5 %% 2") == "SELECT 5 %% 2"
+        cur.execute(pipe.text(sql, values))
+        got = cur.fetchone()
+        assert got[0] == values[0] and got[1] == b"" and got[4] == 2**63 + 5 and got[7] == values[7]
+
+        class Quoting(pymysql.connections.Connection):  # type: ignore[misc]
+            def escape(self, obj: Any, mapping: Any = None) -> str:
+                return "_binary'x'" if isinstance(obj, bytes) else str(super().escape(obj, mapping))
+
+        odd = Quoting(host=mysql_main.host, port=mysql_main.port, user="root")
+        try:
+            other = odd.cursor()
+            assert Pipeline(other).text("SELECT %s, %s", [b"ab", 3]) == "SELECT _binary'x', 3"
+        finally:
+            odd.close()
+    finally:
+        conn.close()
