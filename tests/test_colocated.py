@@ -5,6 +5,8 @@ co-located and the cross-shard case, on both backends."""
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +146,47 @@ def test_put_many_writes_each_shards_rows_with_its_entities(topo: Topology) -> N
     )
     ds.delete_many(ids)
     assert ds.check()["stale"] == 0 and ds.count() == 0
+
+
+def test_one_shard_put_many_of_new_and_old_entities_keeps_rows_and_cache_right(
+    topo: Topology,
+) -> None:
+    """On one shard, the rows of a put_many's entities that had no row are
+    written as one change per index (not one per entity): the rows, a
+    reader's cached index pages (shared cache) and a conditional put_many
+    refused on the shard are as with one change per entity."""
+    cache = f"memory://coloc{os.getpid()}x{uuid.uuid4().hex}"
+    ds = bagstore.Datastore(topo.urls[:1], kind="posts", indexes=[BY_TAG], cache=cache)
+    reader = bagstore.Datastore(topo.urls[:1], kind="posts", indexes=[BY_TAG], cache=cache)
+    try:
+        _new_and_old(ds, reader)
+    finally:
+        ds.close()
+        reader.close()
+
+
+def _new_and_old(ds: bagstore.Datastore, reader: bagstore.Datastore) -> None:
+    first = ds.put_many([{"tag": "a", "n": k} for k in range(3)])
+
+    def tagged(tag: str) -> list[bytes]:
+        return sorted(e["id"] for e in BY_TAG.get_all(reader, tag=tag))
+
+    assert tagged("a") == sorted(first)  # the page cached
+    assert tagged("a") == sorted(first)
+    more = ds.put_many([{"tag": "a", "n": 5}, {"tag": "a", "n": 6}])  # new entities alone
+    assert tagged("a") == sorted([*first, *more])
+    first += more
+    mixed = [{"tag": "a", "n": 10}, {"id": first[0], "tag": "b", "n": 0}, {"tag": "b", "n": 11}]
+    made = ds.put_many(mixed)
+    assert made[1] == first[0]
+    assert tagged("a") == sorted([*first[1:], made[0]])
+    assert tagged("b") == sorted(made[1:])
+    assert _counts(ds, "posts_by_tag") == (0, 0)
+    _, version = ds.get_with_version(first[1])  # type: ignore[misc]
+    with pytest.raises(bagstore.Conflict):
+        ds.put_many(
+            [{"tag": "c", "n": 20}, {"id": first[1], "tag": "c", "n": 1}],
+            expect_versions={first[1]: version + 1},
+        )
+    assert tagged("c") == [] and _counts(ds, "posts_by_tag") == (0, 0)
+    assert ds.count() == 7

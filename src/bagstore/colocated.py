@@ -24,7 +24,7 @@ here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec
@@ -70,16 +70,23 @@ class Colocated:
         self.kind = kind
         #: the indexes written here: those that are not unique
         self.plain = [i for i in plain if not i.unique]
+        #: whether the writer maintains unique indexes as well (see ``fresh``)
+        self.unique = len(self.plain) != len(plain)
         #: ``{entity id: index rows written in its transaction}`` (for those
         #: in ``whole``: every row of its ``diffs``)
         self.inside: dict[bytes, set[IndexRow]] = {}
         #: ``{entity id: its changes of the indexes written here}``, wherever
         #: the rows live (the whole diff, computed from the body read in the
-        #: transaction, for the caller to reuse)
+        #: transaction, for the caller to reuse); not those in ``fresh``
         self.diffs: dict[bytes, list[Change]] = {}
         #: ids whose every change of those indexes was written in its
         #: transaction (a one-shard store's)
         self.whole: set[bytes] = set()
+        #: a one-shard store's put of entities that had no row, when no index
+        #: is unique: per transaction, ``(its ids, the changes of those
+        #: entities' rows, one per index)``, their ids in ``whole`` but not in
+        #: ``diffs`` (their diff is their new rows: see :meth:`written`)
+        self.fresh: list[tuple[Sequence[bytes], list[Change]]] = []
         #: lookup rows written in a transaction, and those left for after
         self.recorded: dict[bytes, int] = {}
         self.late: dict[bytes, int] = {}
@@ -130,7 +137,7 @@ class Colocated:
             changes: list[Change] = []
             buckets = topology.buckets
             if all(b is backend for b in backends):  # one shard: every row is here
-                self._all_here(ids, old, new_rows, skip, changes, buckets)
+                self._all_here(ids, old, new_rows, skip, changes, buckets, batch)
                 Indexer.write_in(backend, cur, changes, locked)
                 return
             for i in ids:
@@ -150,6 +157,9 @@ class Colocated:
                 self.inside[i] = written
             Indexer.write_in(backend, cur, changes, locked)
 
+        batch: list[Change] = []  # this transaction's changes of its entities without a row
+        if self.plain and not self.unique and new_rows is not None:
+            self.fresh.append((ids, batch))
         return run
 
     def _all_here(
@@ -160,23 +170,51 @@ class Colocated:
         skip: frozenset[bytes],
         changes: list[Change],
         buckets: int,
+        batch: list[Change],
     ) -> None:
         """``within``'s work when every row is on the entity's shard: each
         entity's whole diff goes into ``changes`` (its rows written in the
-        transaction are its diff's: see :meth:`rest`)."""
+        transaction are its diff's: see :meth:`rest`).  The entities of a put
+        that had no row, when no index is unique: their rows, one change per
+        index for them all, into ``batch`` (see ``fresh``) as well."""
         diff_of, decode, plain, diffs = Indexer.diff, codec.decode, self.plain, self.diffs
         none: Mapping[str, set[IndexRow]] = {}
+        batched = new_rows is not None and not self.unique
+        added: list[Mapping[str, set[IndexRow]]] = []  # (batched) the new rows of those
+        batch.clear()  # (a transaction run again)
         for i in ids:
             if i in skip:
                 self.whole.discard(i)
                 self.inside[i] = set()
                 continue
             body = old.get(i)
+            if body is None and batched:
+                assert new_rows is not None
+                added.append(new_rows[i])
+                diffs.pop(i, None)
+                continue
             prev = decode(body) if body is not None else None
             new = new_rows[i] if new_rows is not None else none
             diff = diffs[i] = diff_of(plain, new, prev, i, buckets)
             changes += diff
+        for index in plain if added else ():
+            table = index.table
+            rows = {r for new in added for r in new.get(table, ())}
+            if rows:
+                batch.append(Change(index, set(), rows))
+        changes += batch
         self.whole.update([i for i in ids if i not in skip])
+
+    def written(self, unwritten: Collection[bytes] = ()) -> list[Change]:
+        """The changes of the entities in ``fresh``, but those of the
+        transactions whose ids are ``unwritten`` (a conditional put refused
+        on their shard)."""
+        return [
+            ch
+            for ids, batch in self.fresh
+            if not (unwritten and any(i in unwritten for i in ids))
+            for ch in batch
+        ]
 
     def fence(
         self,

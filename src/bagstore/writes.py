@@ -281,15 +281,20 @@ class Writes:
             changes: list[Change] = []  # every row changed, for the cache
             rest: list[Change] = []  # those not written in the entity's transaction
             # the diffs made in the transactions serve when no index is unique
-            known = together.diffs if together.plain == indexes else {}
+            reuse = not together.unique
+            known = together.diffs if reuse else {}
             # every row of an entity in `whole` was written in its transaction
-            whole = together.whole if known else frozenset()
+            # (its diff in `known`, or in `written` for those that had no row)
+            whole = together.whole if reuse else frozenset()
+            if whole:
+                changes += together.written(unwritten)
             for entity_id in last:
                 if entity_id in unwritten:
                     continue
                 mine = known.get(entity_id)
-                if mine is not None and entity_id in whole:
-                    changes += mine
+                if entity_id in whole:
+                    if mine is not None:
+                        changes += mine
                     continue
                 if mine is None:
                     body = old_bodies.get(entity_id)
