@@ -25,6 +25,7 @@ here.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from bagstore.sharding.router import Router
 
 __all__ = ["AFTER", "ATOMIC", "PARTLY", "Colocated", "atomicity"]
+
+_BUCKET = itemgetter(2)  # an IndexRow's bucket
 
 #: How an index's rows are written relative to their entity (``status()``).
 ATOMIC = "atomic"
@@ -138,6 +141,7 @@ class Colocated:
             buckets = topology.buckets
             if all(b is backend for b in backends):  # one shard: every row is here
                 self._all_here(ids, old, new_rows, skip, changes, buckets, batch)
+                self.whole.update([i for i in ids if i not in skip] if skip else ids)
                 Indexer.write_in(backend, cur, changes, locked)
                 return
             for i in ids:
@@ -182,6 +186,13 @@ class Colocated:
         batched = new_rows is not None and not self.unique
         added: list[Mapping[str, set[IndexRow]]] = []  # (batched) the new rows of those
         batch.clear()  # (a transaction run again)
+        if batched and not skip and not any(map(old.get, ids)):  # none had a row: at once
+            assert new_rows is not None
+            added = list(map(new_rows.__getitem__, ids))
+            if diffs:
+                for i in ids:
+                    diffs.pop(i, None)
+            ids = ()  # (nothing left for the loop)
         for i in ids:
             if i in skip:
                 self.whole.discard(i)
@@ -199,11 +210,10 @@ class Colocated:
             changes += diff
         for index in plain if added else ():
             table = index.table
-            rows = {r for new in added for r in new.get(table, ())}
+            rows: set[IndexRow] = set().union(*[new.get(table, ()) for new in added])
             if rows:
                 batch.append(Change(index, set(), rows))
         changes += batch
-        self.whole.update([i for i in ids if i not in skip])
 
     def written(self, unwritten: Collection[bytes] = ()) -> list[Change]:
         """The changes of the entities in ``fresh``, but those of the
@@ -232,9 +242,10 @@ class Colocated:
         shard_of, backends = topology.shard_of_bucket, topology.backends
         tables = [index.table for index in self.plain]
         if all(b is backend for b in backends):  # one shard: every row is here
-            return frozenset(
-                {r.bucket for i in ids for t in tables for r in new_rows[i].get(t, ())}
-            )
+            rows: set[IndexRow] = set()
+            for t in tables:
+                rows = rows.union(*[new_rows[i].get(t, ()) for i in ids])
+            return frozenset(map(_BUCKET, rows))
         return frozenset(
             r.bucket
             for i in ids

@@ -21,7 +21,9 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from operator import itemgetter, methodcaller
+from typing import TYPE_CHECKING, Any, cast
 
 from bagstore import keys
 from bagstore.backends import check_identifier
@@ -35,6 +37,10 @@ if TYPE_CHECKING:
     from bagstore.query import QueryResult
 
 __all__ = ["BUILDING", "READY", "RETIRED", "STATES", "Index"]
+
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+#: ``IndexRow`` of a tuple of its fields, at C's speed (as namedtuple's ``_make``)
+_index_row = partial(tuple.__new__, IndexRow)
 
 BUILDING, READY, RETIRED = "building", "ready", "retired"
 STATES = (BUILDING, READY, RETIRED)
@@ -202,10 +208,16 @@ class Index:
         if len(self.properties) != 1 or len(entities) == 1:
             return [self.rows_for(e, i, buckets) for i, e in entities]
         prop = self.properties[0]
-        values = [e.get(prop) for _, e in entities]
+        values = list(map(methodcaller("get", prop), map(_SECOND, entities)))
         encoded = keys.encode_scalars(values)  # None: no row, or a list's
-        hashed = iter(bucket_list([k for k in encoded if k is not None], buckets))
         limit, unique = keys.KEY_LIMIT, self.unique
+        present = cast("list[bytes]", encoded)  # (once None is not in it)
+        if encoded and None not in encoded and max(map(len, present)) <= limit:  # (usually)
+            # {IndexRow((key,), entity_id, bucket)} each, made in C's loops
+            hashed_all = bucket_list(present, buckets)
+            made = zip(zip(present), map(_FIRST, entities), hashed_all, strict=True)
+            return list(map(set, zip(map(_index_row, made))))
+        hashed = iter(bucket_list([k for k in encoded if k is not None], buckets))
         out: list[set[IndexRow]] = []
         append = out.append
         for (entity_id, entity), value, key in zip(entities, values, encoded, strict=True):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec, testing
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from bagstore.sharding.router import Router
 
 __all__ = ["Change", "Claim", "Indexer"]
+
+_BUCKET = itemgetter(2)  # an IndexRow's bucket
 
 
 @dataclass
@@ -251,7 +254,10 @@ class Indexer:
                     index.table, index.properties, delete, fenced=True, cur=cur
                 )
         for index, _, insert in per_index.values():
-            held = [r for r in insert if r.bucket in locked]
+            if all(map(locked.__contains__, map(_BUCKET, insert))):  # (one shard: all)
+                held = insert
+            else:
+                held = [r for r in insert if r.bucket in locked]
             if held:
                 backend.insert_index_rows(index.table, index.properties, held, cur=cur, later=True)
             if len(held) < len(insert):

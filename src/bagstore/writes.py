@@ -24,11 +24,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
-from operator import attrgetter
+from itertools import filterfalse
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
 from bagstore import codec, testing
 from bagstore.backends import EntityRow, Stored
+from bagstore.backends.entities import entity_rows
 from bagstore.colocated import Colocated
 from bagstore.errors import (
     BackendError,
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
     from bagstore.sharding.router import Router
 
 __all__ = ["Writes", "check_id", "conflict"]
+
+_FIRST, _SECOND, _THIRD = (itemgetter(k) for k in range(3))
 
 
 def check_id(entity_id: object, error: type[BagstoreError]) -> bytes:
@@ -99,21 +103,27 @@ class Writes:
             bucket = self.placer.entity_bucket(cast("dict[str, Any]", entity), entity_id)
         return EntityRow(entity_id, bucket, time.time_ns() // 1000, body), fresh
 
-    def rows_of(self, entities: list[dict[str, Any]]) -> list[tuple[bytes, int, bytes, bool]]:
-        """:meth:`row` of each entity, as ``(id, bucket, body, fresh)`` (the
-        stamp is the write's, taken later): the same checks in the same order,
-        the buckets of a kind placed by id hashed in one loop."""
-        body_of, keyed = self._body, self.placer.shard_key is not None
-        entity_bucket = self.placer.entity_bucket
-        out: list[tuple[bytes, int, bytes, bool]] = []
-        append = out.append
-        for entity in entities:
-            entity_id, body, fresh = body_of(entity)
-            append((entity_id, entity_bucket(entity, entity_id) if keyed else -1, body, fresh))
-        if keyed:
-            return out
-        hashed = bucket_list([r[0] for r in out], self.router.placement.buckets)
-        return [(r[0], b, r[2], r[3]) for r, b in zip(out, hashed, strict=True)]
+    def rows_of(
+        self, entities: list[dict[str, Any]]
+    ) -> tuple[list[bytes], list[int], list[bytes], list[bool]]:
+        """:meth:`row` of each entity, as the lists of their ids, buckets,
+        bodies and whether each id is new (the stamp is the write's, taken
+        later): the same checks in the same order, the buckets of a kind
+        placed by id hashed in one loop."""
+        body_of = self._body
+        if self.placer.shard_key is not None:  # each entity's bucket after its checks
+            entity_bucket = self.placer.entity_bucket
+            made = []
+            buckets = []
+            for entity in entities:
+                made.append(body_of(entity))
+                buckets.append(entity_bucket(entity, made[-1][0]))
+            ids = [m[0] for m in made]
+        else:
+            made = list(map(body_of, entities))  # (id, body, fresh) each
+            ids = list(map(_FIRST, made))
+            buckets = bucket_list(ids, self.router.placement.buckets)
+        return ids, buckets, list(map(_SECOND, made)), list(map(_THIRD, made))
 
     def _body(self, entity: object) -> tuple[bytes, bytes, bool]:
         """Validate and encode one entity: its id, its body, whether the id is new."""
@@ -148,19 +158,21 @@ class Writes:
                 done = self.update_one(entities[0], expect) if self.alone() else None
             if done is not None:
                 return [done]
-        prepared = self.rows_of(entities)
+        ids, buckets, bodies, fresh = self.rows_of(entities)
         indexes = self.registry().maintained()
         # {id: (bucket, body, entity)}, the last of an id (at its first place)
-        last = {p[0]: (p[1], p[2], e) for p, e in zip(prepared, entities, strict=True)}
+        last = dict(zip(ids, zip(buckets, bodies, entities, strict=True), strict=True))
         new_rows = self.index_rows(indexes, last)
+        uniques = [i for i in indexes if i.unique]
         claimed = self.indexer.claim_all(
             [
                 Claim(i, r)
                 for entity_id in last
-                for i in indexes
-                if i.unique
+                for i in uniques
                 for r in sorted(new_rows[entity_id][i.table], key=lambda r: r.keys)
             ]
+            if uniques
+            else []
         )
         # Kinds placed by a shard key: record id -> bucket first; an entity whose
         # key moved it to another bucket is deleted from the old one afterwards.
@@ -192,7 +204,7 @@ class Writes:
         # Stamped after the claims: a claim newer than its owner's `updated`
         # marks a write still in flight (see Indexer._claim).
         now = time.time_ns() // 1000
-        rows = [EntityRow(i, b, now, body) for i, (b, body, _) in last.items()]
+        rows = entity_rows(last, map(_FIRST, last.values()), now, map(_SECOND, last.values()))
         stamps: dict[bytes, int] = {}  # the `updated` of the rows replaced
         refused: dict[bytes, int] = {}  # conditional: {id: version found}
         unwritten: set[bytes] = set()  # conditional: the refused shards' ids
@@ -288,14 +300,13 @@ class Writes:
             whole = together.whole if reuse else frozenset()
             if whole:
                 changes += together.written(unwritten)
-            for entity_id in last:
+                for entity_id, diff in known.items():
+                    if entity_id in whole and entity_id not in unwritten:
+                        changes += diff
+            for entity_id in filterfalse(whole.__contains__, last):
                 if entity_id in unwritten:
                     continue
                 mine = known.get(entity_id)
-                if entity_id in whole:
-                    if mine is not None:
-                        changes += mine
-                    continue
                 if mine is None:
                     body = old_bodies.get(entity_id)
                     old = codec.decode(body) if body is not None else None
@@ -313,18 +324,24 @@ class Writes:
                 rest += together.rest(mine, entity_id)
             self.indexer.apply(rest, failpoint="put.after_index_delete")
             self.cache.rows_written(changes, claimed, self.registry())
-        for entity, (entity_id, _, _, fresh) in zip(entities, prepared, strict=True):
-            if fresh and entity_id not in unwritten:
-                entity["id"] = entity_id
+        if True in fresh:
+            for entity, entity_id, new in zip(entities, ids, fresh, strict=True):
+                if new and entity_id not in unwritten:
+                    entity["id"] = entity_id
         if unwritten:
             raise conflict(refused, [r.id for r in rows], "put")
-        return [p[0] for p in prepared]
+        return ids
 
     def index_rows(
         self, indexes: list[Index], last: Mapping[bytes, tuple[int, bytes, dict[str, Any]]]
     ) -> dict[bytes, dict[str, set[IndexRow]]]:
         """``{id: {table: the entity's index rows}}``, an index at a time."""
-        pairs = [(i, e) for i, (_, _, e) in last.items()]
+        pairs = list(zip(last, map(_THIRD, last.values()), strict=True))
+        if len(indexes) == 1:  # (the common case: one dict an entity, made at once)
+            (index,) = indexes
+            table = index.table
+            made_all = index.rows_for_many(pairs, self.buckets)
+            return {i: {table: m} for i, m in zip(last, made_all, strict=True)}
         out: dict[bytes, dict[str, set[IndexRow]]] = {i: {} for i in last}
         for index in indexes:
             table = index.table

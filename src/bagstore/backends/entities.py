@@ -12,8 +12,11 @@ backfills and ``recent`` reads.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+from functools import partial
+from itertools import repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from bagstore.backends.buckets import ownership_error
@@ -34,6 +37,7 @@ __all__ = [
     "EntitySQL",
     "Stored",
     "Within",
+    "entity_rows",
 ]
 
 #: The columns every entities table has (see ``Dialect.create_entities_sql``).
@@ -54,6 +58,19 @@ class EntityRow(NamedTuple):
     bucket: int
     updated: int  # microseconds since the Unix epoch, UTC
     body: bytes
+
+
+#: ``EntityRow`` of a tuple of its four fields, at C's speed (namedtuple's
+#: own ``_make`` does ``tuple.__new__(cls, iterable)`` from Python).
+_entity_row = partial(tuple.__new__, EntityRow)
+
+
+def entity_rows(
+    ids: Iterable[bytes], buckets: Iterable[int], updated: int, bodies: Iterable[bytes]
+) -> list[EntityRow]:
+    """``[EntityRow(i, b, updated, body) ...]`` of a batch, built in one pass
+    of C (a put_many's 500 rows)."""
+    return list(map(_entity_row, zip(ids, buckets, repeat(updated), bodies)))
 
 
 class Stored(NamedTuple):
@@ -161,7 +178,7 @@ class EntityOps:
     def _chunks(self, rows: Sequence[EntityRow]) -> Iterator[Sequence[EntityRow]]:
         """Split rows so that one statement stays under ``max_statement_bytes``."""
         if len(rows) <= self.max_statement_rows and (
-            sum([len(r.body) for r in rows]) + 64 * len(rows) <= self.max_statement_bytes
+            sum(map(len, map(_BODY, rows))) + 64 * len(rows) <= self.max_statement_bytes
         ):
             yield rows  # (the loop below would make this one chunk)
             return
@@ -226,8 +243,8 @@ class EntityOps:
             old: dict[bytes, bytes] = {}
             found: dict[bytes, int] = {}
             with self.transaction(conn) as cur:
-                ids = [r.id for r in rows]
-                buckets = [r.bucket for r in rows]
+                ids = list(map(_ID, rows))
+                buckets = list(map(_BUCKET, rows))
                 for r in self._locked_read(cur, kind, [*buckets, *fence], ids, read_old):
                     found[r[0]] = r[2]
                     if read_old:
@@ -245,13 +262,16 @@ class EntityOps:
                 # The clock is read with the rows locked (bagstore.versions):
                 # once for them all, each row's version next_version's.
                 now = clock()
-                new = {r.id: next_version(found.get(r.id), now) for r in rows}
+                if found:
+                    new = {r.id: next_version(found.get(r.id), now) for r in rows}
+                else:  # (no row yet: each the same first version)
+                    new = dict.fromkeys(ids, next_version(None, now))
                 for chunk in self._chunks(rows):
                     later(
                         cur, self.sql("write_entities_sql", kind, len(chunk)), _flatten(chunk, new)
                     )
                 if within is not None:
-                    within(cur, {i: old.get(i) for i in ids})
+                    within(cur, {i: old.get(i) for i in ids} if old else dict.fromkeys(ids))
             if versions is not None:
                 versions.update(new)
             return old
@@ -505,6 +525,9 @@ def _fetchone(conn: Any, sql: str, params: Sequence[Any]) -> Any:
         return cur.fetchone()
     finally:
         cur.close()
+
+
+_ID, _BUCKET, _BODY = itemgetter(0), itemgetter(1), itemgetter(3)  # EntityRow's fields
 
 
 def _flatten(rows: Sequence[EntityRow], versions: Mapping[bytes, int]) -> list[Any]:

@@ -13,6 +13,8 @@ import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from bagstore.backends.pipeline import later as send_later
@@ -45,6 +47,9 @@ class IndexRow(NamedTuple):
     keys: tuple[bytes, ...]
     entity_id: bytes
     bucket: int
+
+
+_KEYS, _ENTITY, _BUCKET = (itemgetter(k) for k in range(3))  # an IndexRow's fields
 
 
 @dataclass
@@ -366,11 +371,16 @@ class IndexOps:
             else:
                 sql = self.sql("insert_ignore_sql", table, cols, len(chunk))
             again = fenced and self.dialect.fenced_by_key(len(chunk))  # the bucket once more
-            params = [
-                v
-                for r in chunk
-                for v in (*r.keys, r.entity_id, r.bucket, *extra, *((r.bucket,) if again else ()))
-            ]
+            if len(columns) == 1 and not extra and not again:  # (a put's: flattened in C)
+                keys = map(_KEYS, map(_KEYS, chunk))  # (the first, of a row's keys: [0])
+                flat = zip(keys, map(_ENTITY, chunk), map(_BUCKET, chunk), strict=True)
+                params = list(chain.from_iterable(flat))
+            else:
+                params = [
+                    v
+                    for r in chunk
+                    for v in (*r.keys, r.entity_id, r.bucket, *extra, *([r.bucket] * again))
+                ]
             if later and cur is not None and not fenced:
                 send_later(cur, sql, params)
                 continue
