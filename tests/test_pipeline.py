@@ -123,6 +123,19 @@ def test_a_held_statement_is_spelled_as_the_driver_spells_it(mysql_main: Any) ->
         cur.execute(pipe.text(sql, values))
         got = cur.fetchone()
         assert got[0] == values[0] and got[1] == b"" and got[4] == 2**63 + 5 and got[7] == values[7]
+        # held statements bound in one go: the text of each, bound alone, joined
+        parts: list[tuple[str, Any]] = [
+            ("BEGIN", ()),
+            ("SELECT 5 %% 2", ()),
+            (sql, values),
+            ("SELECT %s, '%%s' FROM DUAL", ["50%", ]),  # a literal % beside a mark
+            ("SELECT %s, %s", [3, b"\x01"]),
+            ("COMMIT", ()),
+        ]  # fmt: skip
+        expected = "; ".join(str(cur.mogrify(q, p or None)) for q, p in parts)
+        assert pipe.joined(parts) == expected
+        with pytest.raises(pymysql.err.ProgrammingError):  # a wrong count: the driver's error
+            pipe.joined([("SELECT %s", [1, 2]), ("SELECT %s, %s", [3])])
 
         class Quoting(pymysql.connections.Connection):  # type: ignore[misc]
             def escape(self, obj: Any, mapping: Any = None) -> str:

@@ -79,26 +79,46 @@ class Pipeline:
 
     def __init__(self, cur: Any) -> None:
         self.cur = cur
-        self._held: list[str] = []
+        self._held: list[tuple[str, Sequence[Any]]] = []
         conn = getattr(cur, "connection", None)
         self._escape = conn.escape if conn is not None and spells_plainly(conn) else None
 
     def text(self, sql: str, params: Sequence[Any] = ()) -> str:
         """``sql`` with ``params`` bound, as ``cursor.mogrify`` spells it."""
-        if not params:
-            return sql
+        return self.joined([(sql, params)])
+
+    def joined(self, parts: Sequence[tuple[str, Sequence[Any]]]) -> str:
+        """The statements ``(sql, params)`` bound (as :meth:`text`) and joined
+        by ``"; "``, the text made in one go where each ``%`` of a statement
+        is a parameter's (no held statement's text copied again into the
+        packet's: a put_many's is ~1 KB an entity)."""
         escape = self._escape
         if escape is None:
-            return str(self.cur.mogrify(sql, params))
-        return sql % tuple(
-            [
-                f"X'{v.hex()}'" if type(v) is bytes else str(v) if type(v) is int else escape(v)
-                for v in params
-            ]
-        )
+            return "; ".join([sql if not p else str(self.cur.mogrify(sql, p)) for sql, p in parts])
+        if len(parts) == 1 and not parts[0][1]:
+            return parts[0][0]
+        templates: list[str] = []
+        values: list[Any] = []
+        for sql, params in parts:
+            if not params:
+                templates.append(sql.replace("%", "%%"))
+            elif sql.count("%") == len(params):  # (each a %s, bound with the others)
+                templates.append(sql)
+                values += params
+            else:  # a literal %, or a wrong count: the driver's, on its own
+                templates.append(str(self.cur.mogrify(sql, params)).replace("%", "%%"))
+        try:
+            return "; ".join(templates) % tuple(
+                [
+                    f"X'{v.hex()}'" if type(v) is bytes else str(v) if type(v) is int else escape(v)
+                    for v in values
+                ]
+            )
+        except TypeError:  # (a mark other than %s): the driver's, statement by statement
+            return "; ".join([sql if not p else str(self.cur.mogrify(sql, p)) for sql, p in parts])
 
     def defer(self, sql: str, params: Sequence[Any] = ()) -> None:
-        self._held.append(self.text(sql, params))
+        self._held.append((sql, params))
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Send the held statements and ``sql``; the cursor then holds ``sql``'s
@@ -106,7 +126,7 @@ class Pipeline:
         if not self._held:
             return int(self.cur.execute(self.text(sql, params)))
         held = len(self._held)
-        text = "; ".join([*self._held, self.text(sql, params)])
+        text = self.joined([*self._held, (sql, params)])
         self._held = []
         self.cur.execute(text)
         for _ in range(held):
@@ -115,7 +135,7 @@ class Pipeline:
 
     def commit(self) -> None:
         """Send the held statements and COMMIT in one packet."""
-        text = "; ".join([*self._held, "COMMIT"])
+        text = self.joined([*self._held, ("COMMIT", ())])
         self._held = []
         self.cur.execute(text)
         while self.cur.nextset():
