@@ -22,7 +22,7 @@ import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
-from operator import itemgetter, methodcaller
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
 from bagstore import keys
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BUILDING", "READY", "RETIRED", "STATES", "Index"]
 
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_FIRST = itemgetter(0)
 #: ``IndexRow`` of a tuple of its fields, at C's speed (as namedtuple's ``_make``)
 _index_row = partial(tuple.__new__, IndexRow)
 
@@ -208,7 +208,7 @@ class Index:
         if len(self.properties) != 1 or len(entities) == 1:
             return [self.rows_for(e, i, buckets) for i, e in entities]
         prop = self.properties[0]
-        values = list(map(methodcaller("get", prop), map(_SECOND, entities)))
+        values = [e.get(prop) for _, e in entities]
         encoded = keys.encode_scalars(values)  # None: no row, or a list's
         limit, unique = keys.KEY_LIMIT, self.unique
         present = cast("list[bytes]", encoded)  # (once None is not in it)
