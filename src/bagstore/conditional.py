@@ -45,7 +45,6 @@ from bagstore.sharding.hashing import bucket_of
 from bagstore.writes import check_id
 
 if TYPE_CHECKING:
-    from bagstore.backends import Stored
     from bagstore.sharding.placer import Placer
     from bagstore.writes import Writes
 
@@ -122,18 +121,19 @@ class Conditional:
         self,
         writes: Writes,
         placer: Placer,
-        fetch_one: Callable[[bytes, int | None], Stored | None],
+        fetch_one: Callable[[bytes, int | None], tuple[bytes, int] | None],
     ) -> None:
         self.writes = writes
         self.placer = placer
-        #: a row as its shard holds it now, past every cache level (given
-        #: its id's bucket where the id names it, else None)
+        #: ``(body, version)`` of an entity as its shard holds it now, past
+        #: every cache level (given its id's bucket where the id names it,
+        #: else None)
         self.fetch_one = fetch_one
 
     def get_with_version(self, entity_id: bytes) -> tuple[dict[str, Any], int] | None:
         """``(entity, version)`` as the shard holding it has it now, or None."""
         stored = self.fetch_one(entity_id, None)
-        return None if stored is None else (codec.decode(stored.body), stored.version)
+        return None if stored is None else (codec.decode(stored[0]), stored[1])
 
     def _read_settled(self, entity_id: bytes) -> tuple[bytes, int] | None:
         """``(body, version)`` read with the row locked: a write whose outcome
@@ -174,8 +174,8 @@ class Conditional:
         conflicts = 0
         for attempt in range(retries + 1):
             stored = self.fetch_one(entity_id, bucket)
-            current = None if stored is None else codec.decode(stored.body)
-            version = 0 if stored is None else stored.version
+            current = None if stored is None else codec.decode(stored[0])
+            version = 0 if stored is None else stored[1]
             new = fn(current)
             if new is None:
                 return current

@@ -77,6 +77,7 @@ class EntityOps:
     _schema_lock: threading.Lock
     _ready_kinds: set[str]
     _point_sql: dict[str, str]
+    _versioned_sql: dict[str, str]
 
     # Provided by Backend and BucketOps; declared for the type checker only (a
     # stub defined here would hide BucketOps's at run time).
@@ -141,6 +142,23 @@ class EntityOps:
         sql = self._point_sql.get(kind)
         if sql is None:
             sql = self._point_sql[kind] = self.dialect.select_bodies_sql(kind, 1, stamps=False)
+        return sql
+
+    def get_versioned(self, kind: str, entity_id: bytes) -> tuple[bytes, int] | None:
+        """``(body, version)`` of one entity on this shard as it is now, or
+        None: one statement (a read-modify-write's read: the body to change
+        and the version its write expects)."""
+        sql = self._versioned_sql.get(kind) or self.versioned_read_sql(kind)
+        row = self.run(_fetchone, sql, (entity_id,))
+        return None if row is None else (row[0], row[1])
+
+    def versioned_read_sql(self, kind: str) -> str:
+        """``SELECT body, version`` of one id, built once per kind."""
+        sql = self._versioned_sql.get(kind)
+        if sql is None:
+            d = self.dialect
+            sql = f"SELECT body, version FROM {d.q(kind)} WHERE id = {d.param}"
+            self._versioned_sql[kind] = sql
         return sql
 
     def get_bodies(self, kind: str, ids: Sequence[bytes]) -> dict[bytes, Stored]:

@@ -273,6 +273,22 @@ class SQLiteBackend(Backend):
                 row = self._read_failed(local.conn, exc, sql, (entity_id,), True)
         return None if row is None else bytes(row[1])
 
+    def get_versioned(self, kind: str, entity_id: bytes) -> tuple[bytes, int] | None:
+        """``(body, version)`` of one entity, or None: read as :meth:`get_body`
+        reads, the driver's row as it is (a point read of bytes and an int)."""
+        sql = self._versioned_sql.get(kind) or self.versioned_read_sql(kind)
+        params = (entity_id,)
+        local = self._local
+        cur: sqlite3.Cursor | None = getattr(local, "cur", None)
+        if cur is None or local.busy:  # first use, or inside a unit of work
+            row: tuple[bytes, int] | None = self._read(sql, params, one=True)
+            return row
+        try:
+            row = cur.execute(sql, params).fetchone()
+        except sqlite3.Error as exc:
+            row = self._read_failed(local.conn, exc, sql, params, True)
+        return row
+
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         rows: list[tuple[Any, ...]] = self._read(sql, params, one=False)
         return rows
