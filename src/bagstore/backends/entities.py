@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 from bagstore.backends.buckets import ownership_error
 from bagstore.backends.changesql import skip_sql
@@ -78,6 +78,10 @@ class EntityOps:
     _ready_kinds: set[str]
     _point_sql: dict[str, str]
     _versioned_sql: dict[str, str]
+
+    #: How the id and the body of a one-row statement are given to the driver:
+    #: as they are here; SQLite's backend gives bytearrays (see there).
+    blob: ClassVar[type[bytes] | type[bytearray]] = bytes
 
     # Provided by Backend and BucketOps; declared for the type checker only (a
     # stub defined here would hide BucketOps's at run time).
@@ -321,7 +325,8 @@ class EntityOps:
         it changed nothing (another version, no row, or a bucket not owned).
         ``moves=False``: the row's bucket is the one it has (placed by its id)."""
         new = max(expected + 1, clock())
-        params = [row.updated, new, row.body, row.id, expected, row.bucket]
+        blob = self.blob
+        params = [row.updated, new, blob(row.body), blob(row.id), expected, row.bucket]
         if moves:
             params.insert(0, row.bucket)
         n = self.execute(self.sql("conditional_update_sql", kind, moves), params)
