@@ -163,14 +163,15 @@ class Conditional:
         update is done; if it is unchanged the put is tried again; otherwise
         the ShardTimeout is raised (another writer came after: whether this
         put was applied cannot be told)."""
-        check_id(entity_id, InvalidQuery)
+        if type(entity_id) is not bytes or len(entity_id) != 16:
+            check_id(entity_id, InvalidQuery)  # raises, saying what is wrong
         if not callable(fn):
             raise InvalidQuery(f"update needs a function of the entity, not {type(fn).__name__}")
         if type(retries) is not int or retries < 0:
             raise InvalidQuery(f"retries must be an int, 0 or more, not {retries!r}")
         writes = self.writes
         # A kind placed by its id: the bucket, hashed once for every try.
-        bucket = None if self.placer.keyed else bucket_of(entity_id, writes.buckets)
+        bucket = None if self.placer.shard_key is not None else bucket_of(entity_id, writes.buckets)
         conflicts = 0
         for attempt in range(retries + 1):
             stored = self.fetch_one(entity_id, bucket)

@@ -78,6 +78,7 @@ class EntityOps:
     _ready_kinds: set[str]
     _point_sql: dict[str, str]
     _versioned_sql: dict[str, str]
+    _sql_memo: dict[tuple[Any, ...], str]
 
     #: How the id and the body of a one-row statement are given to the driver:
     #: as they are here; SQLite's backend gives bytearrays (see there).
@@ -324,17 +325,38 @@ class EntityOps:
         version above the one it replaces, whatever the clock says).  False if
         it changed nothing (another version, no row, or a bucket not owned).
         ``moves=False``: the row's bucket is the one it has (placed by its id)."""
-        new = max(expected + 1, clock())
-        blob = self.blob
-        params = [row.updated, new, blob(row.body), blob(row.id), expected, row.bucket]
-        if moves:
-            params.insert(0, row.bucket)
-        n = self.execute(self.sql("conditional_update_sql", kind, moves), params)
-        if n != 1:
+        new = self.update_row_if(
+            kind, row.id, row.bucket, row.updated, row.body, expected, moves=moves
+        )
+        if not new:
             return False
         if versions is not None:
             versions[row.id] = new
         return True
+
+    def update_row_if(
+        self,
+        kind: str,
+        entity_id: bytes,
+        bucket: int,
+        updated: int,
+        body: bytes,
+        expected: int,
+        *,
+        moves: bool = True,
+    ) -> int:
+        """:meth:`update_if` of a row given by its fields (a read-modify-write
+        makes no :class:`EntityRow`): the row's new version, 0 if the
+        statement changed nothing."""
+        new = max(expected + 1, clock())
+        blob = self.blob
+        params = [updated, new, blob(body), blob(entity_id), expected, bucket]
+        if moves:
+            params.insert(0, bucket)
+        # (the memo of ``self.sql``, looked up without its call)
+        key = ("conditional_update_sql", kind, moves)
+        sql = self._sql_memo.get(key) or self.sql(*key)
+        return new if self.execute(sql, params) == 1 else 0
 
     def _locked_read(
         self,
