@@ -272,7 +272,7 @@ class SQLiteBackend(Backend):
         params = (bytearray(entity_id),)  # see blob
         local = self._local
         cur: sqlite3.Cursor | None = getattr(local, "cur", None)
-        if cur is None or local.busy:  # first use, or inside a unit of work
+        if cur is None:  # first use, or inside a unit of work
             row = self._read(sql, params, one=True)
         else:
             try:
@@ -288,7 +288,7 @@ class SQLiteBackend(Backend):
         params = (bytearray(entity_id),)  # see blob
         local = self._local
         cur: sqlite3.Cursor | None = getattr(local, "cur", None)
-        if cur is None or local.busy:  # first use, or inside a unit of work
+        if cur is None:  # first use, or inside a unit of work
             row: tuple[bytes, int] | None = self._read(sql, params, one=True)
             return row
         try:
@@ -311,7 +311,7 @@ class SQLiteBackend(Backend):
         cover goes through :meth:`run`, which waits and tries again."""
         local = self._local
         cur: sqlite3.Cursor | None = getattr(local, "cur", None)
-        if cur is None or local.busy:  # first use, or inside a unit of work
+        if cur is None:  # first use, or inside a unit of work
             return super().execute(sql, params)
         try:
             return cur.execute(sql, params).rowcount
@@ -360,11 +360,11 @@ class SQLiteBackend(Backend):
         )
 
     def _read(self, sql: str, params: Sequence[Any], *, one: bool) -> Any:
-        local = self._local
-        conn: sqlite3.Connection | None = getattr(local, "conn", None)
-        if conn is None or local.busy:  # first use, or inside a unit of work
+        cur: sqlite3.Cursor | None = getattr(self._local, "cur", None)
+        if cur is None:  # first use, or inside a unit of work
             rows = super().fetchall(sql, params)
             return (rows[0] if rows else None) if one else rows
+        conn = cur.connection
         try:
             return _fetch(conn, sql, params, one)
         except sqlite3.Error as exc:
@@ -480,30 +480,32 @@ class SQLiteBackend(Backend):
             self._all.append(conn)
         return conn
 
+    # The thread's connection is ``local.conn``; ``local.kept`` its cursor for
+    # statements outside units of work (get_body's, execute's), which is
+    # ``local.cur`` while the connection is idle and None while a unit of work
+    # holds it: the statements' one test of the thread's state.
     def _acquire(self) -> Any:
         local = self._local
         conn: sqlite3.Connection | None = getattr(local, "conn", None)
         if conn is None:
             conn = local.conn = self._connect()
-            local.cur = conn.cursor()  # get_body's
-            local.busy = False
-        if local.busy:  # re-entered on the same thread: a private connection
+            local.kept = conn.cursor()
+        elif local.cur is None:  # re-entered on the same thread: a private connection
             return self._connect()
-        local.busy = True
+        local.cur = None  # in a unit of work
         return conn
 
     def _release(self, conn: Any) -> None:
         local = self._local
         if conn is getattr(local, "conn", None):
-            local.busy = False
+            local.cur = local.kept  # idle
         else:
             self._close(conn)
 
     def _discard(self, conn: Any) -> None:
         local = self._local
         if conn is getattr(local, "conn", None):
-            local.conn = local.cur = None
-            local.busy = False
+            local.conn = local.cur = local.kept = None
         self._close(conn)
 
     def _close(self, conn: sqlite3.Connection) -> None:
