@@ -348,7 +348,9 @@ class EntityOps:
         """:meth:`update_if` of a row given by its fields (a read-modify-write
         makes no :class:`EntityRow`): the row's new version, 0 if the
         statement changed nothing."""
-        new = max(expected + 1, clock())
+        new = clock()
+        if new <= expected:  # (max(expected + 1, clock()) without the call)
+            new = expected + 1
         blob = self.blob
         params = [updated, new, blob(body), blob(entity_id), expected, bucket]
         if moves:
