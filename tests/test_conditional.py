@@ -4,13 +4,15 @@ claims, cache)."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
+from contextlib import closing
 from typing import Any
 
 import pytest
 
 import bagstore
-from bagstore import testing
+from bagstore import codec, testing
 from bagstore.cache.base import decode_value
 from bagstore.errors import ShardTimeout
 from bagstore.sharding.hashing import bucket_of
@@ -355,5 +357,30 @@ def test_sqlite_update_waits_for_a_lock_another_connection_holds(tmp_path: Any) 
             backend.execute("UPDATE no_such_table SET n = 1")
         assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 3
         assert ds.get_with_version(entity_id)[0]["n"] == 3  # type: ignore[index]
+    finally:
+        ds.close()
+
+
+def test_sqlite_update_alone_binds_blobs_and_tells_the_request_level(tmp_path: Any) -> None:
+    """update's one-statement path (no index, no shared cache level): the id
+    and the body go to SQLite as bytearrays (SQLiteBackend.blob) and are
+    stored as the same BLOBs a put stores; inside a request its level 1
+    learns the entity written."""
+    ds = bagstore.open(tmp_path, shards=1)
+    try:
+        entity_id = ds.put({"n": 0})
+        with ds.request():
+            assert ds.get(entity_id) == {"id": entity_id, "n": 0}  # level 1 holds it
+            assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 1  # type: ignore[index]
+            assert ds.get(entity_id) == {"id": entity_id, "n": 1}
+        path = ds.router.backends[0].path  # type: ignore[attr-defined]
+        with closing(sqlite3.connect(path)) as conn:
+            kinds, body, version = conn.execute(
+                'SELECT typeof(id) || typeof(body), body, version FROM "entities" WHERE id = ?',
+                [entity_id],
+            ).fetchone()
+        assert kinds == "blobblob" and type(body) is bytes
+        assert codec.decode(body) == {"id": entity_id, "n": 1}
+        assert ds.get_with_version(entity_id) == ({"id": entity_id, "n": 1}, version)
     finally:
         ds.close()

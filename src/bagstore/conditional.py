@@ -45,7 +45,6 @@ from bagstore.sharding.hashing import bucket_of
 from bagstore.writes import check_id
 
 if TYPE_CHECKING:
-    from bagstore.backends import Stored
     from bagstore.sharding.placer import Placer
     from bagstore.writes import Writes
 
@@ -122,18 +121,19 @@ class Conditional:
         self,
         writes: Writes,
         placer: Placer,
-        fetch_one: Callable[[bytes, int | None], Stored | None],
+        fetch_one: Callable[[bytes, int | None], tuple[bytes, int] | None],
     ) -> None:
         self.writes = writes
         self.placer = placer
-        #: a row as its shard holds it now, past every cache level (given
-        #: its id's bucket where the id names it, else None)
+        #: ``(body, version)`` of an entity as its shard holds it now, past
+        #: every cache level (given its id's bucket where the id names it,
+        #: else None)
         self.fetch_one = fetch_one
 
     def get_with_version(self, entity_id: bytes) -> tuple[dict[str, Any], int] | None:
         """``(entity, version)`` as the shard holding it has it now, or None."""
         stored = self.fetch_one(entity_id, None)
-        return None if stored is None else (codec.decode(stored.body), stored.version)
+        return None if stored is None else (codec.decode(stored[0]), stored[1])
 
     def _read_settled(self, entity_id: bytes) -> tuple[bytes, int] | None:
         """``(body, version)`` read with the row locked: a write whose outcome
@@ -163,19 +163,20 @@ class Conditional:
         update is done; if it is unchanged the put is tried again; otherwise
         the ShardTimeout is raised (another writer came after: whether this
         put was applied cannot be told)."""
-        check_id(entity_id, InvalidQuery)
+        if type(entity_id) is not bytes or len(entity_id) != 16:
+            check_id(entity_id, InvalidQuery)  # raises, saying what is wrong
         if not callable(fn):
             raise InvalidQuery(f"update needs a function of the entity, not {type(fn).__name__}")
         if type(retries) is not int or retries < 0:
             raise InvalidQuery(f"retries must be an int, 0 or more, not {retries!r}")
         writes = self.writes
         # A kind placed by its id: the bucket, hashed once for every try.
-        bucket = None if self.placer.keyed else bucket_of(entity_id, writes.buckets)
+        bucket = None if self.placer.shard_key is not None else bucket_of(entity_id, writes.buckets)
         conflicts = 0
         for attempt in range(retries + 1):
             stored = self.fetch_one(entity_id, bucket)
-            current = None if stored is None else codec.decode(stored.body)
-            version = 0 if stored is None else stored.version
+            current = None if stored is None else codec.decode(stored[0])
+            version = 0 if stored is None else stored[1]
             new = fn(current)
             if new is None:
                 return current

@@ -190,7 +190,7 @@ class Datastore:
                 self.max_body_bytes,
             )
             self._queries = Queries(self.kind, self.index_tables, self._reads)
-            self._conditional = Conditional(self._writes, self.placer, self._reads.fetch_stored)
+            self._conditional = Conditional(self._writes, self.placer, self._reads.fetch_versioned)
             declared = IndexTables.check_declared(indexes)
             self.index_tables.load()
             for index in declared:

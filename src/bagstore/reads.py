@@ -148,17 +148,20 @@ class Reads:
             return [decode(bodies[i]) if i in bodies else None for i in wanted]
         return self.cache.get_many(wanted, self.fetch_many)
 
-    def fetch_stored(self, entity_id: bytes, bucket: int | None = None) -> Stored | None:
-        """One entity's row as its shard holds it now (never a cache nor a
-        replica), or None: where the id names the bucket, one statement on
-        that bucket's shard (``bucket``: the id's, if the caller hashed it)."""
+    def fetch_versioned(
+        self, entity_id: bytes, bucket: int | None = None
+    ) -> tuple[bytes, int] | None:
+        """``(body, version)`` of one entity as its shard holds it now (never
+        a cache nor a replica), or None: where the id names the bucket, one
+        statement on that bucket's shard (``bucket``: the id's, if the caller
+        hashed it)."""
         by_bucket = self.router.topology.backend_by_bucket
         if self.placer.shard_key is not None or not by_bucket:
-            return self.fetch_many([entity_id]).get(entity_id)
+            stored = self.fetch_many([entity_id]).get(entity_id)
+            return None if stored is None else (stored.body, stored.version)
         if bucket is None:
             bucket = bucket_of(entity_id, len(by_bucket))
-        rows = by_bucket[bucket].read_bodies(self.kind, [entity_id], stamps=True)
-        return Stored(rows[0][1], rows[0][2], rows[0][3]) if rows else None
+        return by_bucket[bucket].get_versioned(self.kind, entity_id)
 
     def fetch_many(self, ids: Iterable[bytes]) -> dict[bytes, Stored]:
         """``{id: Stored}`` of the ids that exist, as their shards hold them now

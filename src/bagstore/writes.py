@@ -369,22 +369,34 @@ class Writes:
         the ``Conflict``; else (no row, or a bucket not owned) None, and the
         whole write path finds out why.  (A copy left on a shard that let the
         bucket go takes no write, so its version is still the one expected:
-        it never passes for a conflict.)  ``bucket``: as for :meth:`row`."""
-        row, fresh = self.row(entity, bucket)
-        expected = expect.get(row.id, 0)
+        it never passes for a conflict.)  ``bucket``: as for :meth:`row`,
+        whose checks and stamp are made here without building the row (an
+        :class:`EntityRow` is made only for a cache level to tell)."""
+        entity_id, body, fresh = self._body(entity)
+        expected = expect.get(entity_id, 0)
         if fresh or expected <= 0:
             return None
-        versions: dict[bytes, int] = {}
-        backend = self.router.topology.backend_of(row.bucket)
+        if bucket is None:
+            bucket = self.placer.entity_bucket(entity, entity_id)
+        updated = time.time_ns() // 1000
+        topology = self.router.topology
+        by_bucket = topology.backend_by_bucket
+        backend = by_bucket[bucket] if by_bucket else topology.backend_of(bucket)
         testing.hit("put.before_entity")
-        if not backend.update_if(self.kind, row, expected, versions, moves=False):
-            found = backend.read_bodies(self.kind, [row.id], stamps=True)
+        version = backend.update_row_if(
+            self.kind, entity_id, bucket, updated, body, expected, moves=False
+        )
+        if not version:
+            found = backend.read_bodies(self.kind, [entity_id], stamps=True)
             if found and int(found[0][2]) != expected:
-                raise conflict({row.id: int(found[0][2])}, [], "put")
+                raise conflict({entity_id: int(found[0][2])}, [], "put")
             return None
         testing.hit("put.after_entity")
-        self.cache.puts_committed([row], versions, self.fetch_many)
-        return row.id
+        cache = self.cache
+        if not cache.idle():
+            row = EntityRow(entity_id, bucket, updated, body)
+            cache.puts_committed([row], {entity_id: version}, self.fetch_many)
+        return entity_id
 
     def _beside(self, bucket: int, other: int) -> bool:
         """Whether two buckets are on one shard (by this process's placement)."""

@@ -242,6 +242,8 @@ class Backend(EntityOps, BucketOps, IndexOps):
         #: ``select_bodies_sql(kind, 1, stamps=False)`` by kind: a point read's
         #: statement, found with one lookup (see ``get_body``)
         self._point_sql: dict[str, str] = {}
+        #: ``versioned_read_sql(kind)`` by kind (see ``get_versioned``)
+        self._versioned_sql: dict[str, str] = {}
 
     def sql(self, builder: str, *args: Any, **kwargs: Any) -> str:
         """``self.dialect.<builder>(*args, **kwargs)``, built once per process:

@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from functools import partial
 from itertools import repeat
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 from bagstore.backends.buckets import ownership_error
 from bagstore.backends.changesql import skip_sql
@@ -94,6 +94,12 @@ class EntityOps:
     _schema_lock: threading.Lock
     _ready_kinds: set[str]
     _point_sql: dict[str, str]
+    _versioned_sql: dict[str, str]
+    _sql_memo: dict[tuple[Any, ...], str]
+
+    #: How the id and the body of a one-row statement are given to the driver:
+    #: as they are here; SQLite's backend gives bytearrays (see there).
+    blob: ClassVar[type[bytes] | type[bytearray]] = bytes
 
     # Provided by Backend and BucketOps; declared for the type checker only (a
     # stub defined here would hide BucketOps's at run time).
@@ -158,6 +164,23 @@ class EntityOps:
         sql = self._point_sql.get(kind)
         if sql is None:
             sql = self._point_sql[kind] = self.dialect.select_bodies_sql(kind, 1, stamps=False)
+        return sql
+
+    def get_versioned(self, kind: str, entity_id: bytes) -> tuple[bytes, int] | None:
+        """``(body, version)`` of one entity on this shard as it is now, or
+        None: one statement (a read-modify-write's read: the body to change
+        and the version its write expects)."""
+        sql = self._versioned_sql.get(kind) or self.versioned_read_sql(kind)
+        row = self.run(_fetchone, sql, (entity_id,))
+        return None if row is None else (row[0], row[1])
+
+    def versioned_read_sql(self, kind: str) -> str:
+        """``SELECT body, version`` of one id, built once per kind."""
+        sql = self._versioned_sql.get(kind)
+        if sql is None:
+            d = self.dialect
+            sql = f"SELECT body, version FROM {d.q(kind)} WHERE id = {d.param}"
+            self._versioned_sql[kind] = sql
         return sql
 
     def get_bodies(self, kind: str, ids: Sequence[bytes]) -> dict[bytes, Stored]:
@@ -322,16 +345,40 @@ class EntityOps:
         version above the one it replaces, whatever the clock says).  False if
         it changed nothing (another version, no row, or a bucket not owned).
         ``moves=False``: the row's bucket is the one it has (placed by its id)."""
-        new = max(expected + 1, clock())
-        params = [row.updated, new, row.body, row.id, expected, row.bucket]
-        if moves:
-            params.insert(0, row.bucket)
-        n = self.execute(self.sql("conditional_update_sql", kind, moves), params)
-        if n != 1:
+        new = self.update_row_if(
+            kind, row.id, row.bucket, row.updated, row.body, expected, moves=moves
+        )
+        if not new:
             return False
         if versions is not None:
             versions[row.id] = new
         return True
+
+    def update_row_if(
+        self,
+        kind: str,
+        entity_id: bytes,
+        bucket: int,
+        updated: int,
+        body: bytes,
+        expected: int,
+        *,
+        moves: bool = True,
+    ) -> int:
+        """:meth:`update_if` of a row given by its fields (a read-modify-write
+        makes no :class:`EntityRow`): the row's new version, 0 if the
+        statement changed nothing."""
+        new = clock()
+        if new <= expected:  # (max(expected + 1, clock()) without the call)
+            new = expected + 1
+        blob = self.blob
+        params = [updated, new, blob(body), blob(entity_id), expected, bucket]
+        if moves:
+            params.insert(0, bucket)
+        # (the memo of ``self.sql``, looked up without its call)
+        key = ("conditional_update_sql", kind, moves)
+        sql = self._sql_memo.get(key) or self.sql(*key)
+        return new if self.execute(sql, params) == 1 else 0
 
     def _locked_read(
         self,

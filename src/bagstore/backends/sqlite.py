@@ -226,6 +226,13 @@ class SQLiteBackend(Backend):
     dialect = SQLiteDialect()
     driver_errors = (sqlite3.Error,)
     max_statement_rows = 1000
+    #: The ids and bodies of point statements are bound as bytearrays: the
+    #: sqlite3 module binds ints, floats, strs and bytearrays as they are but
+    #: looks for an adapter of any other parameter, bytes too (two failed
+    #: attribute lookups, whose errors are made and cleared), ~3.5k
+    #: instructions a parameter against ~1k for the copy; a bytearray is
+    #: bound as the same BLOB.
+    blob = bytearray
 
     def __init__(self, path: str, *, synchronous: str = "NORMAL", busy_timeout: float = 30.0):
         super().__init__(f"sqlite:///{path}")
@@ -262,16 +269,33 @@ class SQLiteBackend(Backend):
         leaves no statement open: ``fetchone`` steps past the only row, which
         resets it."""
         sql = self.point_read_sql(kind)
+        params = (bytearray(entity_id),)  # see blob
         local = self._local
         cur: sqlite3.Cursor | None = getattr(local, "cur", None)
-        if cur is None or local.busy:  # first use, or inside a unit of work
-            row = self._read(sql, (entity_id,), one=True)
+        if cur is None:  # first use, or inside a unit of work
+            row = self._read(sql, params, one=True)
         else:
             try:
-                row = cur.execute(sql, (entity_id,)).fetchone()
+                row = cur.execute(sql, params).fetchone()
             except sqlite3.Error as exc:
-                row = self._read_failed(local.conn, exc, sql, (entity_id,), True)
+                row = self._read_failed(local.conn, exc, sql, params, True)
         return None if row is None else bytes(row[1])
+
+    def get_versioned(self, kind: str, entity_id: bytes) -> tuple[bytes, int] | None:
+        """``(body, version)`` of one entity, or None: read as :meth:`get_body`
+        reads, the driver's row as it is (a point read of bytes and an int)."""
+        sql = self._versioned_sql.get(kind) or self.versioned_read_sql(kind)
+        params = (bytearray(entity_id),)  # see blob
+        local = self._local
+        cur: sqlite3.Cursor | None = getattr(local, "cur", None)
+        if cur is None:  # first use, or inside a unit of work
+            row: tuple[bytes, int] | None = self._read(sql, params, one=True)
+            return row
+        try:
+            row = cur.execute(sql, params).fetchone()
+        except sqlite3.Error as exc:
+            row = self._read_failed(local.conn, exc, sql, params, True)
+        return row
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         rows: list[tuple[Any, ...]] = self._read(sql, params, one=False)
@@ -287,7 +311,7 @@ class SQLiteBackend(Backend):
         cover goes through :meth:`run`, which waits and tries again."""
         local = self._local
         cur: sqlite3.Cursor | None = getattr(local, "cur", None)
-        if cur is None or local.busy:  # first use, or inside a unit of work
+        if cur is None:  # first use, or inside a unit of work
             return super().execute(sql, params)
         try:
             return cur.execute(sql, params).rowcount
@@ -336,11 +360,11 @@ class SQLiteBackend(Backend):
         )
 
     def _read(self, sql: str, params: Sequence[Any], *, one: bool) -> Any:
-        local = self._local
-        conn: sqlite3.Connection | None = getattr(local, "conn", None)
-        if conn is None or local.busy:  # first use, or inside a unit of work
+        cur: sqlite3.Cursor | None = getattr(self._local, "cur", None)
+        if cur is None:  # first use, or inside a unit of work
             rows = super().fetchall(sql, params)
             return (rows[0] if rows else None) if one else rows
+        conn = cur.connection
         try:
             return _fetch(conn, sql, params, one)
         except sqlite3.Error as exc:
@@ -456,30 +480,32 @@ class SQLiteBackend(Backend):
             self._all.append(conn)
         return conn
 
+    # The thread's connection is ``local.conn``; ``local.kept`` its cursor for
+    # statements outside units of work (get_body's, execute's), which is
+    # ``local.cur`` while the connection is idle and None while a unit of work
+    # holds it: the statements' one test of the thread's state.
     def _acquire(self) -> Any:
         local = self._local
         conn: sqlite3.Connection | None = getattr(local, "conn", None)
         if conn is None:
             conn = local.conn = self._connect()
-            local.cur = conn.cursor()  # get_body's
-            local.busy = False
-        if local.busy:  # re-entered on the same thread: a private connection
+            local.kept = conn.cursor()
+        elif local.cur is None:  # re-entered on the same thread: a private connection
             return self._connect()
-        local.busy = True
+        local.cur = None  # in a unit of work
         return conn
 
     def _release(self, conn: Any) -> None:
         local = self._local
         if conn is getattr(local, "conn", None):
-            local.busy = False
+            local.cur = local.kept  # idle
         else:
             self._close(conn)
 
     def _discard(self, conn: Any) -> None:
         local = self._local
         if conn is getattr(local, "conn", None):
-            local.conn = local.cur = None
-            local.busy = False
+            local.conn = local.cur = local.kept = None
         self._close(conn)
 
     def _close(self, conn: sqlite3.Connection) -> None:
