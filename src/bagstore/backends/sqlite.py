@@ -261,7 +261,7 @@ class SQLiteBackend(Backend):
         per read costs ~0.5 us of a ~6 us read).  A lookup by primary key
         leaves no statement open: ``fetchone`` steps past the only row, which
         resets it."""
-        sql = self.point_read_sql(kind)
+        sql = self._point_sql.get(kind) or self.point_read_sql(kind)
         local = self._local
         cur: sqlite3.Cursor | None = getattr(local, "cur", None)
         if cur is None or local.busy:  # first use, or inside a unit of work
@@ -271,7 +271,10 @@ class SQLiteBackend(Backend):
                 row = cur.execute(sql, (entity_id,)).fetchone()
             except sqlite3.Error as exc:
                 row = self._read_failed(local.conn, exc, sql, (entity_id,), True)
-        return None if row is None else bytes(row[1])
+        if row is None:
+            return None
+        body = row[1]  # (a BLOB comes as bytes: no copy to make, nor a call)
+        return body if type(body) is bytes else bytes(body)
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         rows: list[tuple[Any, ...]] = self._read(sql, params, one=False)
