@@ -63,3 +63,32 @@ def test_rows_for_many_is_rows_for_of_each(values: list[object], unique: bool, n
     except errors.InvalidEntity as exc:
         batch = [*one_by_one[:-1], str(exc)]
     assert batch == one_by_one
+
+
+# -- one entity's rows (a put's): the scalar path inline is the general formula ------
+
+
+@given(_batch_value, st.booleans(), st.sampled_from([1, 7, 1024]))
+@settings(suppress_health_check=[HealthCheck.too_slow])
+def test_rows_for_of_a_scalar_is_the_truncated_key_and_its_full_hash(
+    value: object, unique: bool, n: int
+) -> None:
+    """``rows_for`` cuts a one-property scalar key inline and makes its row
+    in C: the row is still ``(truncate(key), id, bucket_of(key))``, and a
+    unique key too long to keep whole is refused."""
+    index = Index("t_one", ["v"], unique=unique)
+    entity_id = bytes(range(16))
+    key = _encoded_or_none(value)
+    if type(value) is list or key is None:
+        return  # (lists and what cannot be indexed: the general path, pinned above)
+    if unique and len(key) > keys.KEY_LIMIT:
+        try:
+            index.rows_for({"v": value}, entity_id, n)
+        except errors.InvalidEntity as exc:
+            assert "over the" in str(exc)
+        else:
+            raise AssertionError("a unique key too long was kept")
+        return
+    (row,) = index.rows_for({"v": value}, entity_id, n)
+    assert row == ((keys.truncate(key)[0],), entity_id, bucket_of(key, n))
+    assert type(row).__name__ == "IndexRow" and row.keys[0] == keys.truncate(key)[0]

@@ -108,6 +108,27 @@ def test_other_puts_keep_the_general_path(topo: Topology, grouped: list[int], sh
     assert (report["missing"], report["stale"]) == (0, 0)
 
 
+def test_the_short_path_follows_the_indexes_as_they_change(
+    topo: Topology, grouped: list[int]
+) -> None:
+    """What the short path works out once per registry (putone.Plan) is
+    worked out again for an index added after its first put: a plain one
+    is written in the entity's transaction, a unique one sends the put to
+    the general path (its claim first)."""
+    ds = _one_shard(topo)
+    ds.put({"user_id": 1, "email": "a@example.com"})
+    ds.add_index(BY_USER)  # building (the kind has an entity): maintained from now on
+    second = ds.put({"user_id": 1, "email": "b@example.com"})
+    assert grouped == []
+    assert [e["id"] for e in BY_USER.get_all(ds, user_id=1, allow_partial=True)] == [second]
+    ds.add_index(BY_EMAIL)
+    third = ds.put({"user_id": 2, "email": "c@example.com"})
+    assert grouped, "a unique index's put took the short path"
+    assert [e["id"] for e in BY_EMAIL.get_all(ds, email="c@example.com", allow_partial=True)] == [
+        third
+    ]
+
+
 def test_a_put_without_indexes_takes_the_short_path_on_many_shards(
     topo: Topology, grouped: list[int]
 ) -> None:

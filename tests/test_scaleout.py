@@ -449,6 +449,7 @@ def test_a_one_shard_store_reads_where_its_buckets_go(tmp_path: Path) -> None:
 
     def check() -> None:
         assert ds.get_many(ids) == [expected[i] for i in ids]
+        assert [ds.get(i) for i in ids] == [expected[i] for i in ids]
         for tag in ("x", "y"):
             want = sorted(e["n"] for e in expected.values() if e["tag"] == tag)
             assert sorted(e["n"] for e in tag_idx.get_all(ds, tag=tag)) == want

@@ -185,7 +185,7 @@ class Datastore:
                 self.placer,
                 self.indexer,
                 self.cache_layer,
-                self.registry,
+                self.index_tables.registry,  # (what self.registry calls: one call less a put)
                 self._reads.fetch_many,
                 self.max_body_bytes,
             )

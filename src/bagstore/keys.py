@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from datetime import UTC, date, datetime, timedelta
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 from bagstore.errors import InvalidQuery
 
@@ -148,11 +148,12 @@ def encode_value(v: object) -> bytes:
         >>> encode_value(True).hex(), encode_value(-0.0) == encode_value(0)
         ('1001', True)
     """
-    t = type(v)  # the common exact types first; subclasses take the long way
-    if t is str:
-        return _STR_TAG + cast(str, v).encode("utf-8", "surrogatepass")
-    if t is bytes:
-        return _BYTES_TAG + cast(bytes, v)
+    # the common exact types first (narrowed without typing.cast, a call a
+    # value); subclasses take the long way
+    if type(v) is str:
+        return _STR_TAG + v.encode("utf-8", "surrogatepass")
+    if type(v) is bytes:
+        return _BYTES_TAG + v
     if isinstance(v, bool):
         return bytes((_BOOL, 1 if v else 0))
     if isinstance(v, int):
@@ -184,11 +185,11 @@ def encode_scalars(values: Iterable[object]) -> list[bytes | None]:
     append = out.append
     str_tag, bytes_tag = _STR_TAG, _BYTES_TAG
     for v in values:
-        t = type(v)  # the exact types of encode_value's first tests, inline
-        if t is str:
-            append(str_tag + cast(str, v).encode("utf-8", "surrogatepass"))
-        elif t is bytes:
-            append(bytes_tag + cast(bytes, v))
+        # the exact types of encode_value's first tests, inline
+        if type(v) is str:
+            append(str_tag + v.encode("utf-8", "surrogatepass"))
+        elif type(v) is bytes:
+            append(bytes_tag + v)
         else:
             try:
                 append(encode_value(v))

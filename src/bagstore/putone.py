@@ -11,7 +11,9 @@ entity and its index rows (the old body read and the rows diffed under the
 row's lock, as :mod:`bagstore.colocated` does), then the cache's
 bookkeeping.  The statements are the general path's; what goes is its
 per-call Python (the general path costs a single put about as much CPU
-again as the SQL does on SQLite).
+again as the SQL does on SQLite).  What the short path needs of the kind's
+indexes and the placement (:class:`Plan`) is worked out once for each
+registry and topology the store reads, not at every put.
 
 It returns None, having written nothing, when the put is not of that shape
 or the shard refused it (a bucket moved or frozen): the general path then
@@ -30,50 +32,92 @@ does the whole write, with its refresh and waits.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec, testing
+from bagstore.backends import EntityRow
 from bagstore.errors import KeyMigrating, StalePlacement
 from bagstore.indexer import Change, Indexer
+from bagstore.sharding.hashing import bucket_of
 
 if TYPE_CHECKING:
+    from bagstore.backends import Backend
+    from bagstore.backends.indexsql import IndexRow
+    from bagstore.index import Index, Registry
+    from bagstore.sharding.topology import Topology
     from bagstore.writes import Writes
 
 __all__ = ["put_one"]
+
+#: ``EntityRow``'s own ``__new__`` is a Python function (a NamedTuple's);
+#: ``tuple.__new__`` makes the same tuple in C.
+_new_tuple = tuple.__new__
+
+
+class Plan:
+    """What the short path needs of one registry and one topology, worked out
+    once (both are replaced, never changed, when they are re-read)."""
+
+    __slots__ = ("backend", "indexes", "registry", "topology")
+
+    def __init__(self, registry: Registry, topology: Topology) -> None:
+        self.registry = registry
+        self.topology = topology
+        self.indexes: list[Index] = registry.maintained()
+        #: the shard of every index row, or None when the put is not short
+        #: (rows on other shards, or unique claims to make before the entity)
+        self.backend: Backend | None = None
+        sole = topology.sole_shard
+        if sole is not None and not any(i.unique for i in self.indexes):
+            self.backend = topology.backends[sole]
 
 
 def put_one(writes: Writes, entity: Any) -> bytes | None:
     """Store one entity by the short path if its put is one transaction on
     one shard; its id, or None (nothing written) to leave it to the general
     path.  Raises what the general path raises for bad input."""
-    if writes.placer.keyed:  # a lookup row, maybe a move between shards
+    if writes.placer.shard_key is not None:  # a lookup row, maybe a move between shards
         return None
     registry = writes.registry()
-    indexes = registry.maintained()
     topology = writes.router.topology
-    if indexes and (topology.sole_shard is None or any(i.unique for i in indexes)):
+    plan = writes.short_plan
+    if plan is None or plan.registry is not registry or plan.topology is not topology:
+        plan = writes.short_plan = Plan(registry, topology)
+    indexes = plan.indexes
+    backend = plan.backend
+    if indexes and backend is None:
         return None  # rows on other shards, or claims before the entity
-    row, fresh = writes.row(entity)
-    entity_id = row.id
-    buckets = writes.buckets
-    new_rows = {i.table: i.rows_for(entity, entity_id, buckets) for i in indexes}
+    entity_id, body, fresh = writes._body(entity)
+    buckets = topology.buckets
+    bucket = bucket_of(entity_id, buckets)
+    row: EntityRow = _new_tuple(EntityRow, (entity_id, bucket, time.time_ns() // 1000, body))
     cache = writes.cache
     leases = cache.cache is not None  # a shared cache level to lease keys in
     if leases:
         cache.before_write([entity_id])
-    backend = topology.backend_of(row.bucket)
+    if backend is None:
+        backend = topology.backend_of(bucket)
     versions: dict[bytes, int] = {}
     made: list[list[Change]] = []  # the index diff, made under the row's lock
-    within = fence = None
+    within = None
+    fence: frozenset[int] = frozenset()
     if indexes:
-        fence = frozenset(r.bucket for rows in new_rows.values() for r in rows)
+        new_rows: dict[str, set[IndexRow]] = {}
+        held: list[int] = []  # the rows' buckets (a loop: no comprehension's frame)
+        for index in indexes:
+            rows = new_rows[index.table] = index.rows_for(entity, entity_id, buckets)
+            for r in rows:
+                held.append(r.bucket)
+        fence = frozenset(held)
+        shard = backend
 
         def within(cur: Any, old: dict[bytes, bytes | None]) -> None:
             body = old.get(entity_id)
             prev = codec.decode(body) if body is not None else None
             diff = Indexer.diff(indexes, new_rows, prev, entity_id, buckets)
             made[:] = [diff]  # (a transaction run again makes it again)
-            Indexer.write_in(backend, cur, diff, fence)
+            Indexer.write_in(shard, cur, diff, fence)
 
     testing.hit("put.before_entity")
     try:
@@ -83,7 +127,7 @@ def put_one(writes: Writes, entity: Any) -> bytes | None:
             read_old=bool(indexes),
             versions=versions if leases else None,  # (only the shared level's markers)
             within=within,
-            fence=fence or (),
+            fence=fence,
         )
     except StalePlacement as exc:  # rolled back: learn where the bucket is now,
         writes.router.refresh_refused(exc.buckets)  # and the general path writes there

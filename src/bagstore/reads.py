@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from bagstore.cache.layer import CacheLayer
     from bagstore.sharding.placer import Placer
     from bagstore.sharding.router import Router
+    from bagstore.sharding.topology import Topology
 
 __all__ = ["Reads", "together"]
 
@@ -58,6 +59,14 @@ def _reading(read_from: str) -> Iterator[None]:
 _UNCHANGED: AbstractContextManager[None] = nullcontext()
 
 
+def sole_backend(topology: Topology) -> Backend | None:
+    """The backend of the shard that holds every bucket, if one does (and
+    this process has it): a point read needs no hash there."""
+    if topology.sole_shard is None or not topology.backend_by_bucket:
+        return None
+    return topology.backend_by_bucket[0]
+
+
 class Reads:
     """Reads of one kind: by id through the cache layer, or straight from the
     shards, and the scans of queries."""
@@ -69,6 +78,8 @@ class Reads:
         self.cache = cache
         #: no cache level to consult and the id alone names the bucket
         self.direct = cache.cache is None and not placer.keyed
+        #: (topology, its one shard's backend or None): a point read's route
+        self._route: tuple[Topology | None, Backend | None] = (None, None)
         # see _joinable: (group, alone, shards) -> (shards, schemas, backends)
         self._join_plans: dict[
             tuple[tuple[int, ...], bool, int, int],
@@ -120,21 +131,30 @@ class Reads:
         if (read_from or router.replication.read_from) != "primary":
             mode = self.mode(read_from)
             if mode == "replica" and self.uncached():
-                if self.placer.keyed:  # the bucket from a lookup (on the primary)
-                    return self.get_many([entity_id], mode)[0]
-                topology = router.topology
-                shard = topology.shard_of_bucket[bucket_of(entity_id, topology.buckets)]
-                body = router.read_on(shard, lambda b: b.get_body(self.kind, entity_id), mode)
-                return None if body is None else codec.decode(body)
+                return self._get_on_replica(entity_id, mode)
         if self.direct and _current_request.get() is None:
             # No cache level to consult and the id alone names the bucket:
-            # one statement on one shard.
+            # one statement on one shard (the only one: no hash to take).
             topology = router.topology
-            body = topology.backend_by_bucket[bucket_of(entity_id, topology.buckets)].get_body(
-                self.kind, entity_id
-            )
+            route = self._route
+            if route[0] is not topology:
+                route = self._route = (topology, sole_backend(topology))
+            backend = route[1]
+            if backend is None:
+                backend = topology.backend_by_bucket[bucket_of(entity_id, topology.buckets)]
+            body = backend.get_body(self.kind, entity_id)
             return None if body is None else decode(body)
         return self.cache.get(entity_id, self.fetch_many)
+
+    def _get_on_replica(self, entity_id: bytes, mode: str) -> dict[str, Any] | None:
+        """:meth:`get` from a replica (apart: its closure's cell would be made
+        at every get)."""
+        if self.placer.keyed:  # the bucket from a lookup (on the primary)
+            return self.get_many([entity_id], mode)[0]
+        topology = self.router.topology
+        shard = topology.shard_of_bucket[bucket_of(entity_id, topology.buckets)]
+        body = self.router.read_on(shard, lambda b: b.get_body(self.kind, entity_id), mode)
+        return None if body is None else codec.decode(body)
 
     def get_many(
         self, wanted: list[bytes], read_from: str | None = None

@@ -268,7 +268,7 @@ class SQLiteBackend(Backend):
         per read costs ~0.5 us of a ~6 us read).  A lookup by primary key
         leaves no statement open: ``fetchone`` steps past the only row, which
         resets it."""
-        sql = self.point_read_sql(kind)
+        sql = self._point_sql.get(kind) or self.point_read_sql(kind)
         params = (bytearray(entity_id),)  # see blob
         local = self._local
         cur: sqlite3.Cursor | None = getattr(local, "cur", None)
@@ -279,7 +279,10 @@ class SQLiteBackend(Backend):
                 row = cur.execute(sql, params).fetchone()
             except sqlite3.Error as exc:
                 row = self._read_failed(local.conn, exc, sql, params, True)
-        return None if row is None else bytes(row[1])
+        if row is None:
+            return None
+        body = row[1]  # (a BLOB comes as bytes: no copy to make, nor a call)
+        return body if type(body) is bytes else bytes(body)
 
     def get_versioned(self, kind: str, entity_id: bytes) -> tuple[bytes, int] | None:
         """``(body, version)`` of one entity, or None: read as :meth:`get_body`
