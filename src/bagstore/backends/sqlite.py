@@ -15,8 +15,8 @@ holder needed the GIL back after each statement to go on and, in the end, to
 let the next one in, while the threads waiting for it kept waking up for it.
 A ``SQLITE_BUSY`` that the handler does not cover (SQLite returns some at
 once, such as a WAL read snapshot that went stale) runs the unit of work
-again after 50 µs, doubling up to 0.5 ms; ``busy_timeout`` seconds from the
-first try, the error is raised.
+again after 50 µs, doubling up to 0.5 ms; ``busy_timeout`` seconds after the
+first refusal, the error is raised.
 
 An index scan joined with every shard's entity table (a query that scans one
 shard, see ``Datastore.scan_streams``) goes through one more connection per
