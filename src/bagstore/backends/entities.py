@@ -97,8 +97,8 @@ class EntityOps:
     _versioned_sql: dict[str, str]
     _sql_memo: dict[tuple[Any, ...], str]
 
-    #: How the id and the body of a one-row statement are given to the driver:
-    #: as they are here; SQLite's backend gives bytearrays (see there).
+    #: How ids and bodies are given to the driver in the statements that write
+    #: entities: as they are here; SQLite's backend gives bytearrays (see there).
     blob: ClassVar[type[bytes] | type[bytearray]] = bytes
 
     # Provided by Backend and BucketOps; declared for the type checker only (a
@@ -291,7 +291,9 @@ class EntityOps:
                     new = dict.fromkeys(ids, next_version(None, now))
                 for chunk in self._chunks(rows):
                     later(
-                        cur, self.sql("write_entities_sql", kind, len(chunk)), _flatten(chunk, new)
+                        cur,
+                        self.sql("write_entities_sql", kind, len(chunk)),
+                        _flatten(chunk, new, self.blob),
                     )
                 if within is not None:
                     within(cur, {i: old.get(i) for i in ids} if old else dict.fromkeys(ids))
@@ -308,7 +310,9 @@ class EntityOps:
         if sql is None:
             return False
 
-        params = {"id": row.id, "bucket": row.bucket, "updated": row.updated, "body": row.body}
+        blob = self.blob
+        params = {"id": blob(row.id), "bucket": row.bucket, "updated": row.updated,
+                  "body": blob(row.body)}  # fmt: skip
 
         def work(conn: Any) -> Any:
             cur = conn.cursor()
@@ -399,7 +403,7 @@ class EntityOps:
             some = wanted[start : start + 1000]
             part = ids[start : start + 1000]
             sql = self.sql("locked_read_sql", kind, len(some), len(part), bodies)
-            cur.execute(sql, [*some, *part])
+            cur.execute(sql, [*some, *map(self.blob, part)])
             # int(): a UNION of NULL and an integer column may come back as
             # DECIMAL (MariaDB does so for INT UNSIGNED).
             for r in cur.fetchall():
@@ -577,9 +581,11 @@ def _fetchone(conn: Any, sql: str, params: Sequence[Any]) -> Any:
 _ID, _BUCKET, _BODY = itemgetter(0), itemgetter(1), itemgetter(3)  # EntityRow's fields
 
 
-def _flatten(rows: Sequence[EntityRow], versions: Mapping[bytes, int]) -> list[Any]:
+def _flatten(
+    rows: Sequence[EntityRow], versions: Mapping[bytes, int], blob: Callable[[bytes], Any]
+) -> list[Any]:
     out: list[Any] = []
     extend = out.extend
     for r in rows:
-        extend((r.id, r.bucket, r.updated, versions[r.id], r.body))
+        extend((blob(r.id), r.bucket, r.updated, versions[r.id], blob(r.body)))
     return out

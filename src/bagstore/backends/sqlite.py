@@ -226,7 +226,7 @@ class SQLiteBackend(Backend):
     dialect = SQLiteDialect()
     driver_errors = (sqlite3.Error,)
     max_statement_rows = 1000
-    #: The ids and bodies of point statements are bound as bytearrays: the
+    #: The ids and bodies of entity reads and writes are bound as bytearrays: the
     #: sqlite3 module binds ints, floats, strs and bytearrays as they are but
     #: looks for an adapter of any other parameter, bytes too (two failed
     #: attribute lookups, whose errors are made and cleared), ~3.5k
