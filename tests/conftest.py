@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -164,6 +165,17 @@ def _no_stray_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("BAGSTORE_MYSQL_"):
             monkeypatch.delenv(key)
+
+
+@pytest.fixture(autouse=True)
+def _doctests_write_under_tmp_path(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The modules' doctests store in ``tempfile.mkdtemp()``: in a test that
+    runs them, that is under the test's ``tmp_path`` (pytest removes it)
+    rather than a new directory of /tmp left behind by every run."""
+    if "doctest" in request.node.name:
+        monkeypatch.setattr(tempfile, "tempdir", str(request.getfixturevalue("tmp_path")))
 
 
 @contextmanager

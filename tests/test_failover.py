@@ -78,7 +78,9 @@ def _lines(proc: subprocess.Popen[str], until: Any, timeout: float = 60) -> list
     return lines
 
 
-def test_semi_sync_falling_back_to_async_is_surfaced(group: ReplicationGroup) -> None:
+def test_semi_sync_falling_back_to_async_is_surfaced(
+    group: ReplicationGroup, tmp_path: Path
+) -> None:
     """No replica acknowledges in time: MariaDB goes on asynchronously and
     says nothing; ``bagstore status`` says it, and logs it."""
     from click.testing import CliRunner
@@ -96,7 +98,7 @@ def test_semi_sync_falling_back_to_async_is_surfaced(group: ReplicationGroup) ->
             ds.put({"n": 2})  # waits 100 ms for an acknowledgement, then goes on
             assert _semi_sync(ds)["enabled"] and not _semi_sync(ds)["active"]
             result = CliRunner().invoke(
-                cli, ["--config", _config(group, db), "status"], catch_exceptions=False
+                cli, ["--config", _config(group, db, tmp_path), "status"], catch_exceptions=False
             )
             assert result.exit_code == 0
             assert "fell back to async" in result.output
@@ -120,10 +122,8 @@ def _semi_sync(ds: bagstore.Datastore) -> dict[str, Any]:
     return dict(next(s for s in states if s["role"] == "primary")["semi_sync"])
 
 
-def _config(group: ReplicationGroup, db: str) -> str:
-    import tempfile
-
-    path = Path(tempfile.mkdtemp()) / "app.toml"
+def _config(group: ReplicationGroup, db: str, where: Path) -> str:
+    path = where / "app.toml"
     path.write_text(f'[bagstore]\nshards = ["{group.url(db)}"]\n')
     return str(path)
 
