@@ -433,22 +433,16 @@ def test_doctests_of_the_replication_modules() -> None:
     assert attempted >= 6
 
 
-def test_bad_watcher_options_are_refused() -> None:
+def test_bad_watcher_options_are_refused(tmp_path: Path) -> None:
     from bagstore.sharding.watch import Watcher
 
-    with _sqlite() as ds:
+    with bagstore.open(tmp_path, shards=1) as ds:
         for bad in ({"interval": 0}, {"failures": 0}, {"lease": -1}, {"failures": 1.5}):
             with pytest.raises(ConfigurationError, match="watch needs"):
                 Watcher(ds.router, **bad)
         assert Watcher(ds.router).shards() == []  # nothing replicated to watch
         with pytest.raises(ConfigurationError, match="has no replicas"):
             ds.failover(0, to="127.0.0.1:1")
-
-
-def _sqlite() -> bagstore.Datastore:
-    import tempfile
-
-    return bagstore.open(tempfile.mkdtemp(), shards=1)
 
 
 def test_a_switchover_to_a_replica_that_lags_is_abandoned(group: ReplicationGroup, db: str) -> None:
