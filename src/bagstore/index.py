@@ -44,9 +44,6 @@ _index_row = partial(tuple.__new__, IndexRow)
 
 BUILDING, READY, RETIRED = "building", "ready", "retired"
 STATES = (BUILDING, READY, RETIRED)
-#: ``IndexRow``'s own ``__new__`` is a Python function (a NamedTuple's);
-#: ``tuple.__new__`` makes the same tuple in C (a put makes one a row).
-_new_tuple = tuple.__new__
 #: At most this many index rows for one entity in one index (lists multiply).
 MAX_ROWS_PER_ENTITY = 1000
 MAX_PROPERTIES = 8
@@ -181,7 +178,7 @@ class Index:
                     if self.unique:
                         raise self._too_long(len(key))
                     kept = key[: keys.KEY_LIMIT]
-                return {_new_tuple(IndexRow, ((kept,), entity_id, bucket_of(key, buckets)))}
+                return {_index_row(((kept,), entity_id, bucket_of(key, buckets)))}
         per_property: list[list[bytes]] = []
         for p in self.properties:
             encoded = keys.index_keys(entity.get(p))

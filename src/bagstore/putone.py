@@ -36,7 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec, testing
-from bagstore.backends import EntityRow
+from bagstore.backends.entities import EntityRow, entity_row
 from bagstore.errors import KeyMigrating, StalePlacement
 from bagstore.indexer import Change, Indexer
 from bagstore.sharding.hashing import bucket_of
@@ -49,10 +49,6 @@ if TYPE_CHECKING:
     from bagstore.writes import Writes
 
 __all__ = ["put_one"]
-
-#: ``EntityRow``'s own ``__new__`` is a Python function (a NamedTuple's);
-#: ``tuple.__new__`` makes the same tuple in C.
-_new_tuple = tuple.__new__
 
 
 class Plan:
@@ -91,7 +87,7 @@ def put_one(writes: Writes, entity: Any) -> bytes | None:
     entity_id, body, fresh = writes._body(entity)
     buckets = topology.buckets
     bucket = bucket_of(entity_id, buckets)
-    row: EntityRow = _new_tuple(EntityRow, (entity_id, bucket, time.time_ns() // 1000, body))
+    row: EntityRow = entity_row((entity_id, bucket, time.time_ns() // 1000, body))
     cache = writes.cache
     leases = cache.cache is not None  # a shared cache level to lease keys in
     if leases:

@@ -37,6 +37,7 @@ __all__ = [
     "EntitySQL",
     "Stored",
     "Within",
+    "entity_row",
     "entity_rows",
 ]
 
@@ -62,7 +63,7 @@ class EntityRow(NamedTuple):
 
 #: ``EntityRow`` of a tuple of its four fields, at C's speed (namedtuple's
 #: own ``_make`` does ``tuple.__new__(cls, iterable)`` from Python).
-_entity_row = partial(tuple.__new__, EntityRow)
+entity_row = partial(tuple.__new__, EntityRow)
 
 
 def entity_rows(
@@ -70,7 +71,7 @@ def entity_rows(
 ) -> list[EntityRow]:
     """``[EntityRow(i, b, updated, body) ...]`` of a batch, built in one pass
     of C (a put_many's 500 rows)."""
-    return list(map(_entity_row, zip(ids, buckets, repeat(updated), bodies)))
+    return list(map(entity_row, zip(ids, buckets, repeat(updated), bodies)))
 
 
 class Stored(NamedTuple):
