@@ -58,7 +58,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bagstore import Index, codec, keys
-from bagstore.backends.indexsql import Scan, scan_sql
+from bagstore.backends.scansql import Scan, scan_sql
 from bagstore.sharding.hashing import bucket_of
 from bench.common import (
     Env,

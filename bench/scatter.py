@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from bagstore import codec, keys
-from bagstore.backends.indexsql import Scan, scan_sql
+from bagstore.backends.scansql import Scan, scan_sql
 from bagstore.sharding.hashing import bucket_of
 from bench.common import Row, Work, compare, mysql_url, rows_of
 from bench.indexes import BASE, KIND, LIMIT, PUB_INDEX, SHARDS

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec
-from bagstore.backends.indexsql import Scan
+from bagstore.backends.scansql import Scan
 from bagstore.names import clashes
 from bagstore.owners import unfinished_moves
 

@@ -26,7 +26,7 @@ from hashlib import blake2b
 from typing import TYPE_CHECKING, Any, Protocol
 
 from bagstore import codec, keys
-from bagstore.backends.indexsql import Scan
+from bagstore.backends.scansql import Scan
 from bagstore.errors import InvalidQuery
 from bagstore.sharding.hashing import bucket_of
 

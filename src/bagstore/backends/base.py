@@ -4,9 +4,9 @@ A :class:`Backend` owns the connections to one shard and runs every statement
 bagstore sends there.  The SQL text is built by its :class:`Dialect` (data plus
 small builder methods); ``sqlite.py`` and ``mysql.py`` subclass both.  Both
 have parts mixed in from their own modules: the entities tables' statements
-(``entities.py``), the index tables' (``indexsql.py``) and bucket ownership
-(``buckets.py``).  Nothing outside ``backends/`` writes SQL or asks which
-database it talks to.
+(``entities.py``), the index tables' (``indexsql.py``), index scans
+(``scansql.py``) and bucket ownership (``buckets.py``).  Nothing outside
+``backends/`` writes SQL or asks which database it talks to.
 
 Identifiers are checked against ``^[A-Za-z_][A-Za-z0-9_]{0,63}$`` and quoted;
 values are always bound parameters.  Driver exceptions are translated into the
@@ -36,6 +36,7 @@ from bagstore.backends.entities import (
 )
 from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
 from bagstore.backends.pipeline import Pipeline, later
+from bagstore.backends.scansql import ScanOps
 from bagstore.errors import BackendError, BagstoreError, ConfigurationError, ShardUnavailable
 
 __all__ = [
@@ -194,7 +195,7 @@ class Dialect(EntitySQL):
         raise NotImplementedError
 
 
-class Backend(EntityOps, BucketOps, IndexOps):
+class Backend(EntityOps, BucketOps, IndexOps, ScanOps):
     """One shard: a database reached through a pool of DB-API connections.
 
     Subclasses provide ``_acquire``/``_release``/``_discard`` (connection
