@@ -76,8 +76,6 @@ class IndexOps:
     # Provided by Backend:
     dialect: Dialect
     name: str
-    scans: int
-    schema: str | None
     index_rows_per_statement: int
     bulk_rows_per_statement: int
     max_statement_bytes: int
@@ -89,11 +87,6 @@ class IndexOps:
         raise NotImplementedError
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        raise NotImplementedError
-
-    def read_together(
-        self, sql: str, params: Sequence[Any], reach: Sequence[Any]
-    ) -> list[tuple[Any, ...]]:
         raise NotImplementedError
 
     def _executescript(self, statements: Sequence[str]) -> None:
