@@ -261,3 +261,16 @@ def test_a_read_only_server_refuses_a_called_put(server: servers.MariaDBServer, 
     finally:
         ds.close()
         _root(server, f"DROP USER '{user}'@'127.0.0.1'")
+
+
+def test_procedure_names_fit_whatever_the_kind() -> None:
+    import doctest
+
+    from bagstore.backends import mysqlsql
+
+    assert doctest.testmod(mysqlsql).failed == 0
+    long_kind = "k" * 64
+    assert len(put_procedure_name(long_kind)) <= 64
+    assert put_procedure_name(long_kind) != put_procedure_name("k" * 63)
+    with pytest.raises(bagstore.ConfigurationError):
+        mysqlsql.MySQLDialect().put_procedure_sql("x' OR '1")

@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import ClassVar
 
-from bagstore.backends.base import Dialect
+from bagstore.backends.base import Dialect, check_identifier
 from bagstore.backends.entitysql import NOT_OWNED
 from bagstore.backends.seqsql import MySQLSequenceSQL, SequenceSQL
 
@@ -195,10 +195,12 @@ class MySQLDialect(Dialect):
         put.  ``SQL SECURITY INVOKER``: the caller's privileges, whoever
         created it (no definer to outlive)."""
         names = ("p_id", "p_bucket", "p_updated", "p_body")
+        check_identifier(kind, "kind")  # (named in the comment, a string literal)
         return (
             f"CREATE PROCEDURE IF NOT EXISTS {self.q(put_procedure_name(kind))} "
             "(IN p_id BINARY(16), IN p_bucket INT, IN p_updated BIGINT, IN p_body LONGBLOB, "
             "IN p_returning BOOLEAN) MODIFIES SQL DATA SQL SECURITY INVOKER "
+            f"COMMENT 'bagstore: the put of one entity of kind {kind} (made again if dropped)' "
             f"BEGIN {self._put_one_body(kind, names, 'IF p_returning THEN SELECT v; END IF; ')}"
         )
 
