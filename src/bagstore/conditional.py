@@ -171,15 +171,20 @@ class Conditional:
             raise InvalidQuery(f"retries must be an int, 0 or more, not {retries!r}")
         writes = self.writes
         kind = writes.kind
-        # A kind placed by its id: the bucket, hashed once for every try.
-        bucket = None if self.placer.shard_key is not None else bucket_of(entity_id, writes.buckets)
+        keyed = self.placer.shard_key is not None
+        bucket = None  # the id's, once hashed (a kind placed by its id)
         conflicts = 0
         for attempt in range(retries + 1):
             # The row's shard, where its write is the row alone (Writes.alone):
             # read there and written there in one statement each (Writes.put's
-            # short path, without its frames); else the read and put of any kind.
-            route = writes.alone_route() if bucket is not None else ()
-            backend = route[bucket] if route and bucket is not None else None
+            # short path, without its frames); else the read and put of any
+            # kind.  One shard holding every bucket needs no hash of the id.
+            backend, route = (None, ()) if keyed else writes.alone_route()
+            if backend is None and not keyed:
+                if bucket is None:
+                    bucket = bucket_of(entity_id, writes.buckets)
+                if route:
+                    backend = route[bucket]
             if backend is not None:
                 stored = backend.get_versioned(kind, entity_id)
             else:
@@ -197,7 +202,7 @@ class Conditional:
                 raise InvalidEntity("update's function returned an entity with another id")
             new["id"] = entity_id
             try:
-                if backend is not None and bucket is not None and version:
+                if backend is not None and version:
                     body = codec.encode(new)
                     if len(body) > writes.max_body_bytes:
                         raise writes.too_big(entity_id, body)

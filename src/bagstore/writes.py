@@ -42,7 +42,7 @@ from bagstore.errors import (
 from bagstore.ids import new_id
 from bagstore.indexer import Change, Claim, Indexer
 from bagstore.putone import Plan, put_one
-from bagstore.sharding.hashing import bucket_list
+from bagstore.sharding.hashing import bucket_list, bucket_of
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
@@ -97,7 +97,11 @@ class Writes:
         #: (:class:`bagstore.putone.Plan`), remade when either is replaced
         self.short_plan: Plan | None = None
         #: :meth:`alone_route`'s registry, topology and answer
-        self._route: tuple[object, object, tuple[Backend, ...]] = (None, None, ())
+        self._route: tuple[object, object, tuple[Backend | None, tuple[Backend, ...]]] = (
+            None,
+            None,
+            (None, ()),
+        )
 
     def row(self, entity: object, bucket: int | None = None) -> tuple[EntityRow, bool]:
         """Validate and encode one entity; returns the row and whether the id
@@ -380,17 +384,23 @@ class Writes:
             return False
         return not registry.by_table or not registry.maintained()
 
-    def alone_route(self) -> tuple[Backend, ...]:
-        """The backend of each bucket (``Topology.backend_by_bucket``) when an
-        entity's write is its row alone (:meth:`alone`), else ``()``: worked
-        out once for each registry and topology the store reads (both are
-        replaced, never changed), the registry asked each time as ``alone``
-        asks it."""
+    def alone_route(self) -> tuple[Backend | None, tuple[Backend, ...]]:
+        """Where the row of an entity whose write is its row alone (see
+        :meth:`alone`) is: ``(backend, ())`` when one shard holds every bucket
+        (no id need be hashed), else ``(None, backend of each bucket)``
+        (``Topology.backend_by_bucket``); ``(None, ())`` when the write is not
+        the row alone.  Worked out once for each registry and topology the
+        store reads (both are replaced, never changed), the registry asked
+        each time as ``alone`` asks it."""
         registry = self.registry()
         topology = self.router.topology
         memo = self._route
         if memo[0] is not registry or memo[1] is not topology:
-            route = topology.backend_by_bucket if self._alone_in(registry) else ()
+            route: tuple[Backend | None, tuple[Backend, ...]] = (None, ())
+            by_bucket = topology.backend_by_bucket
+            if by_bucket and self._alone_in(registry):
+                sole = topology.sole_shard
+                route = (by_bucket[0], ()) if sole is not None else (None, by_bucket)
             memo = self._route = (registry, topology, route)
         return memo[2]
 
@@ -414,17 +424,18 @@ class Writes:
         return entity_id if self.update_row(backend, entity_id, bucket, body, expected) else None
 
     def update_row(
-        self, backend: Backend, entity_id: bytes, bucket: int, body: bytes, expected: int
+        self, backend: Backend, entity_id: bytes, bucket: int | None, body: bytes, expected: int
     ) -> bool:
         """Write the encoded ``body`` of an existing entity whose write is its
         row alone (see :meth:`alone`) if its version is still ``expected``:
-        one fenced ``UPDATE ... WHERE version = expected`` on ``backend``, the
-        shard of ``bucket``.  If it changed nothing, the row is read: at
-        another version, that is the ``Conflict``; else (no row, or a bucket
-        not owned) False, and the whole write path finds out why.  (A copy
-        left on a shard that let the bucket go takes no write, so its version
-        is still the one expected: it never passes for a conflict.)  An
-        :class:`EntityRow` is made only for a cache level to tell."""
+        one ``UPDATE ... WHERE version = expected`` on ``backend``, fenced by
+        the row's bucket (``bucket``, the id's, if the caller hashed it).  If
+        it changed nothing, the row is read: at another version, that is the
+        ``Conflict``; else (no row, or a bucket not owned) False, and the
+        whole write path finds out why.  (A copy left on a shard that let the
+        bucket go takes no write, so its version is still the one expected:
+        it never passes for a conflict.)  An :class:`EntityRow` is made only
+        for a cache level to tell."""
         updated = time.time_ns() // 1000
         testing.hit("put.before_entity")
         version = backend.update_row_if(
@@ -438,6 +449,8 @@ class Writes:
         testing.hit("put.after_entity")
         cache = self.cache
         if not cache.idle():
+            if bucket is None:
+                bucket = bucket_of(entity_id, self.buckets)
             row = EntityRow(entity_id, bucket, updated, body)
             cache.puts_committed([row], {entity_id: version}, self.fetch_many)
         return True

@@ -79,16 +79,21 @@ class EntitySQL:
         return None
 
     def conditional_update_sql(self, kind: str, moves: bool) -> str:
-        """Replace one row's ``updated, version, body`` (and ``bucket`` first
-        if ``moves``) only if its id has the version given and this shard owns
-        the bucket (share-locked, as a fenced insert's): parameters ``[bucket,]
-        updated, version, body, id, expected version, bucket``.  (An indexed
-        column left out of the SET costs nothing.)"""
+        """Replace one row's ``updated, version, body`` only if its id has the
+        version given and this shard owns the row's bucket (share-locked, as a
+        fenced insert's): parameters ``updated, version, body, id, expected
+        version``.  With ``moves``, the row's ``bucket`` too, and the bucket
+        owned is the new one: parameters ``bucket, updated, version, body, id,
+        expected version, bucket``.  (An indexed column left out of the SET
+        costs nothing; without ``moves`` the bucket is the row's own, which
+        the caller need not hash from the id.)"""
         p = self.param
+        t = self.q(kind)
+        owned = f"{p}" if moves else f"{t}.bucket"
         return (
-            f"UPDATE {self.q(kind)} SET {f'bucket = {p}, ' if moves else ''}updated = {p}, "
+            f"UPDATE {t} SET {f'bucket = {p}, ' if moves else ''}updated = {p}, "
             f"version = {p}, body = {p} WHERE id = {p} AND version = {p} AND EXISTS "
-            f"(SELECT 1 FROM bagstore_owned WHERE bucket = {p} AND state = 0{self.share_lock})"
+            f"(SELECT 1 FROM bagstore_owned WHERE bucket = {owned} AND state = 0{self.share_lock})"
         )
 
     def widen_version_sql(self, kind: str) -> list[str]:
