@@ -387,11 +387,11 @@ class Writes:
     def alone_route(self) -> tuple[Backend | None, tuple[Backend, ...]]:
         """Where the row of an entity whose write is its row alone (see
         :meth:`alone`) is: ``(backend, ())`` when one shard holds every bucket
-        (no id need be hashed), else ``(None, backend of each bucket)``
-        (``Topology.backend_by_bucket``); ``(None, ())`` when the write is not
-        the row alone.  Worked out once for each registry and topology the
-        store reads (both are replaced, never changed), the registry asked
-        each time as ``alone`` asks it."""
+        and its update binds no bucket (no id need be hashed), else ``(None,
+        backend of each bucket)`` (``Topology.backend_by_bucket``); ``(None,
+        ())`` when the write is not the row alone.  Worked out once for each
+        registry and topology the store reads (both are replaced, never
+        changed), the registry asked each time as ``alone`` asks it."""
         registry = self.registry()
         topology = self.router.topology
         memo = self._route
@@ -399,8 +399,11 @@ class Writes:
             route: tuple[Backend | None, tuple[Backend, ...]] = (None, ())
             by_bucket = topology.backend_by_bucket
             if by_bucket and self._alone_in(registry):
-                sole = topology.sole_shard
-                route = (by_bucket[0], ()) if sole is not None else (None, by_bucket)
+                # (a bucket need not be hashed where the statement fences on
+                # the row's own: see EntitySQL.fences_by_row)
+                sole = by_bucket[0] if topology.sole_shard is not None else None
+                fenced = sole is not None and sole.dialect.fences_by_row
+                route = (sole, ()) if fenced else (None, by_bucket)
             memo = self._route = (registry, topology, route)
         return memo[2]
 
@@ -429,7 +432,8 @@ class Writes:
         """Write the encoded ``body`` of an existing entity whose write is its
         row alone (see :meth:`alone`) if its version is still ``expected``:
         one ``UPDATE ... WHERE version = expected`` on ``backend``, fenced by
-        the row's bucket (``bucket``, the id's, if the caller hashed it).  If
+        the row's bucket (``bucket``, the id's: None only where the backend's
+        dialect ``fences_by_row``).  If
         it changed nothing, the row is read: at another version, that is the
         ``Conflict``; else (no row, or a bucket not owned) False, and the
         whole write path finds out why.  (A copy left on a shard that let the

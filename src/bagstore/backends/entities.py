@@ -373,15 +373,18 @@ class EntityOps:
         """:meth:`update_if` of a row given by its fields (a read-modify-write
         makes no :class:`EntityRow`): the row's new version, 0 if the
         statement changed nothing.  ``moves=False``: the row keeps its bucket,
-        whose ownership is checked (``bucket`` is not needed then: None)."""
+        whose ownership is checked (``bucket`` may be None where the dialect
+        :attr:`~EntitySQL.fences_by_row`: the row's own is checked)."""
         new = clock()
         if new <= expected:  # (max(expected + 1, clock()) without the call)
             new = expected + 1
         blob = self.blob
         if moves:
             params = [bucket, updated, new, blob(body), blob(entity_id), expected, bucket]
-        else:
+        elif self.dialect.fences_by_row:
             params = [updated, new, blob(body), blob(entity_id), expected]
+        else:
+            params = [updated, new, blob(body), blob(entity_id), expected, bucket]
         # (the memo of ``self.sql``, looked up without its call)
         key = ("conditional_update_sql", kind, moves)
         sql = self._sql_memo.get(key) or self.sql(*key)
