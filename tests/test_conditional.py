@@ -415,3 +415,22 @@ def test_update_alone_is_fenced_by_the_rows_own_bucket(topo: Topology, shards: i
         assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 6  # type: ignore[index]
     finally:
         ds.close()
+
+
+def test_update_alone_follows_the_registry(tmp_path: Any) -> None:
+    """update's one-statement route is worked out once for each registry and
+    topology: once the kind has an index, update writes its rows too."""
+    ds = bagstore.open(tmp_path, shards=1)
+    try:
+        entity_id = ds.put({"n": 0})
+        assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 1  # type: ignore[index]
+        assert ds._writes.alone_route() == (ds.router.backends[0], ())
+        by_n = bagstore.Index(table="by_n", properties=["n"])
+        ds.add_index(by_n)
+        bagstore.Cleaner(ds).backfill("by_n")
+        assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 2  # type: ignore[index]
+        assert ds._writes.alone_route() == (None, ())
+        assert [e["id"] for e in by_n.get_all(ds, n=2)] == [entity_id]
+        assert by_n.get_all(ds, n=1) == []
+    finally:
+        ds.close()
