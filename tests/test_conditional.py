@@ -13,6 +13,7 @@ import pytest
 
 import bagstore
 from bagstore import codec, testing
+from bagstore.backends.buckets import FROZEN, OWNED
 from bagstore.cache.base import decode_value
 from bagstore.errors import ShardTimeout
 from bagstore.sharding.hashing import bucket_of
@@ -382,5 +383,54 @@ def test_sqlite_update_alone_binds_blobs_and_tells_the_request_level(tmp_path: A
         assert kinds == "blobblob" and type(body) is bytes
         assert codec.decode(body) == {"id": entity_id, "n": 1}
         assert ds.get_with_version(entity_id) == ({"id": entity_id, "n": 1}, version)
+    finally:
+        ds.close()
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+def test_update_alone_is_fenced_by_the_rows_own_bucket(topo: Topology, shards: int) -> None:
+    """update's one-statement write of an entity without index rows checks
+    that the shard owns the entity's bucket (on SQLite the row's own bucket
+    column, no bucket bound: on a shard holding every bucket none is hashed
+    from the id): a frozen bucket holds the write back, nothing written, and
+    it goes once the bucket is owned again."""
+    ds = bagstore.Datastore(topo.urls[:shards])
+    try:
+        entity_id = ds.put({"n": 0})
+        bucket = bucket_of(entity_id, ds.router.topology.buckets)
+        backend = ds.router.topology.backend_of(bucket)
+        assert backend.dialect.fences_by_row is not topo.is_mysql
+        bound = bucket if topo.is_mysql else None
+        _, version = ds.get_with_version(entity_id)  # type: ignore[misc]
+        body = codec.encode({"id": entity_id, "n": 5})
+        own = "UPDATE bagstore_owned SET state = {} WHERE bucket = {}"
+        backend.execute(own.format(FROZEN, bucket))
+        write = backend.update_row_if
+        assert write("entities", entity_id, bound, 1, body, version, moves=False) == 0
+        with pytest.raises(bagstore.KeyMigrating):
+            ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1}, retries=0)
+        assert ds.get_with_version(entity_id) == ({"id": entity_id, "n": 0}, version)
+        backend.execute(own.format(OWNED, bucket))
+        assert write("entities", entity_id, bound, 1, body, version, moves=False) > version
+        assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 6  # type: ignore[index]
+    finally:
+        ds.close()
+
+
+def test_update_alone_follows_the_registry(tmp_path: Any) -> None:
+    """update's one-statement route is worked out once for each registry and
+    topology: once the kind has an index, update writes its rows too."""
+    ds = bagstore.open(tmp_path, shards=1)
+    try:
+        entity_id = ds.put({"n": 0})
+        assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 1  # type: ignore[index]
+        assert ds._writes.alone_route() == (ds.router.backends[0], ())
+        by_n = bagstore.Index(table="by_n", properties=["n"])
+        ds.add_index(by_n)
+        bagstore.Cleaner(ds).backfill("by_n")
+        assert ds.update(entity_id, lambda e: {**e, "n": e["n"] + 1})["n"] == 2  # type: ignore[index]
+        assert ds._writes.alone_route() == (None, ())
+        assert [e["id"] for e in by_n.get_all(ds, n=2)] == [entity_id]
+        assert by_n.get_all(ds, n=1) == []
     finally:
         ds.close()

@@ -170,11 +170,25 @@ class Conditional:
         if type(retries) is not int or retries < 0:
             raise InvalidQuery(f"retries must be an int, 0 or more, not {retries!r}")
         writes = self.writes
-        # A kind placed by its id: the bucket, hashed once for every try.
-        bucket = None if self.placer.shard_key is not None else bucket_of(entity_id, writes.buckets)
+        kind = writes.kind
+        keyed = self.placer.shard_key is not None
+        bucket = None  # the id's, once hashed (a kind placed by its id)
         conflicts = 0
         for attempt in range(retries + 1):
-            stored = self.fetch_one(entity_id, bucket)
+            # The row's shard, where its write is the row alone (Writes.alone):
+            # read there and written there in one statement each (Writes.put's
+            # short path, without its frames); else the read and put of any
+            # kind.  One shard holding every bucket needs no hash of the id.
+            backend, route = (None, ()) if keyed else writes.alone_route()
+            if backend is None and not keyed:
+                if bucket is None:
+                    bucket = bucket_of(entity_id, writes.buckets)
+                if route:
+                    backend = route[bucket]
+            if backend is not None:
+                stored = backend.get_versioned(kind, entity_id)
+            else:
+                stored = self.fetch_one(entity_id, bucket)
             current = None if stored is None else codec.decode(stored[0])
             version = 0 if stored is None else stored[1]
             new = fn(current)
@@ -187,16 +201,15 @@ class Conditional:
             if new.get("id", entity_id) != entity_id:
                 raise InvalidEntity("update's function returned an entity with another id")
             new["id"] = entity_id
-            expect = {entity_id: version}
             try:
-                # Writes.put's short path for an existing row whose write is
-                # the row alone, given the bucket hashed above; else (or no
-                # row, or a bucket not owned here) the whole put
-                done = None
-                if bucket is not None and version and writes.alone():
-                    done = writes.update_one(new, expect, bucket)
-                if done is None:
-                    writes.put([new], expect)
+                if backend is not None and version:
+                    body = codec.encode(new)
+                    if len(body) > writes.max_body_bytes:
+                        raise writes.too_big(entity_id, body)
+                    if writes.update_row(backend, entity_id, bucket, body, version):
+                        return new
+                # (no row, a bucket not owned here, or more to write than the row)
+                writes.put([new], {entity_id: version})
                 return new
             except Conflict:
                 conflicts += 1

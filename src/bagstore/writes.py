@@ -42,7 +42,7 @@ from bagstore.errors import (
 from bagstore.ids import new_id
 from bagstore.indexer import Change, Claim, Indexer
 from bagstore.putone import Plan, put_one
-from bagstore.sharding.hashing import bucket_list
+from bagstore.sharding.hashing import bucket_list, bucket_of
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
@@ -96,6 +96,12 @@ class Writes:
         #: the short put's view of the current registry and topology
         #: (:class:`bagstore.putone.Plan`), remade when either is replaced
         self.short_plan: Plan | None = None
+        #: :meth:`alone_route`'s registry, topology and answer
+        self._route: tuple[object, object, tuple[Backend | None, tuple[Backend, ...]]] = (
+            None,
+            None,
+            (None, ()),
+        )
 
     def row(self, entity: object, bucket: int | None = None) -> tuple[EntityRow, bool]:
         """Validate and encode one entity; returns the row and whether the id
@@ -142,11 +148,15 @@ class Writes:
                 entity_id = check_id(entity_id, InvalidEntity)
             body = codec.encode(entity)
         if len(body) > self.max_body_bytes:
-            raise InvalidEntity(
-                f"entity {entity_id.hex()} is {len(body)} bytes encoded, over the store's "
-                f"limit of {self.max_body_bytes} bytes (max_body_bytes)"
-            )
+            raise self.too_big(entity_id, body)
         return entity_id, body, fresh
+
+    def too_big(self, entity_id: bytes, body: bytes) -> InvalidEntity:
+        """The error of an entity whose encoded ``body`` is over the store's limit."""
+        return InvalidEntity(
+            f"entity {entity_id.hex()} is {len(body)} bytes encoded, over the store's "
+            f"limit of {self.max_body_bytes} bytes (max_body_bytes)"
+        )
 
     def put(
         self, entities: list[dict[str, Any]], expect: Mapping[bytes, int] | None = None
@@ -367,33 +377,70 @@ class Writes:
         """Whether an entity's write is its row alone: no index to maintain, no
         lookup row, no shared cache level to lease keys in.  (The registry is
         asked each time: it re-reads the placement and the indexes when due.)"""
+        return self._alone_in(self.registry())
+
+    def _alone_in(self, registry: Registry) -> bool:
         if self.placer.shard_key is not None or self.cache.cache is not None:
             return False
-        registry = self.registry()
         return not registry.by_table or not registry.maintained()
+
+    def alone_route(self) -> tuple[Backend | None, tuple[Backend, ...]]:
+        """Where the row of an entity whose write is its row alone (see
+        :meth:`alone`) is: ``(backend, ())`` when one shard holds every bucket
+        and its update binds no bucket (no id need be hashed), else ``(None,
+        backend of each bucket)`` (``Topology.backend_by_bucket``); ``(None,
+        ())`` when the write is not the row alone.  Worked out once for each
+        registry and topology the store reads (both are replaced, never
+        changed), the registry asked each time as ``alone`` asks it."""
+        registry = self.registry()
+        topology = self.router.topology
+        memo = self._route
+        if memo[0] is not registry or memo[1] is not topology:
+            route: tuple[Backend | None, tuple[Backend, ...]] = (None, ())
+            by_bucket = topology.backend_by_bucket
+            if by_bucket and self._alone_in(registry):
+                # (a bucket need not be hashed where the statement fences on
+                # the row's own: see EntitySQL.fences_by_row)
+                sole = by_bucket[0] if topology.sole_shard is not None else None
+                fenced = sole is not None and sole.dialect.fences_by_row
+                route = (sole, ()) if fenced else (None, by_bucket)
+            memo = self._route = (registry, topology, route)
+        return memo[2]
 
     def update_one(
         self, entity: dict[str, Any], expect: Mapping[bytes, int], bucket: int | None = None
     ) -> bytes | None:
         """A conditional put of one existing entity that is its row alone (see
-        :meth:`alone`): one fenced ``UPDATE ... WHERE version = expected``.
-        If it changed nothing, the row is read: at another version, that is
-        the ``Conflict``; else (no row, or a bucket not owned) None, and the
-        whole write path finds out why.  (A copy left on a shard that let the
-        bucket go takes no write, so its version is still the one expected:
-        it never passes for a conflict.)  ``bucket``: as for :meth:`row`,
-        whose checks and stamp are made here without building the row (an
-        :class:`EntityRow` is made only for a cache level to tell)."""
+        :meth:`alone`): :meth:`update_row` after the checks and the encoding of
+        :meth:`row`, on the shard of ``bucket`` (as for :meth:`row`: the
+        entity's, when the caller hashed its id already); None where
+        ``update_row`` gives up, or the entity is new."""
         entity_id, body, fresh = self._body(entity)
         expected = expect.get(entity_id, 0)
         if fresh or expected <= 0:
             return None
         if bucket is None:
             bucket = self.placer.entity_bucket(entity, entity_id)
-        updated = time.time_ns() // 1000
         topology = self.router.topology
         by_bucket = topology.backend_by_bucket
         backend = by_bucket[bucket] if by_bucket else topology.backend_of(bucket)
+        return entity_id if self.update_row(backend, entity_id, bucket, body, expected) else None
+
+    def update_row(
+        self, backend: Backend, entity_id: bytes, bucket: int | None, body: bytes, expected: int
+    ) -> bool:
+        """Write the encoded ``body`` of an existing entity whose write is its
+        row alone (see :meth:`alone`) if its version is still ``expected``:
+        one ``UPDATE ... WHERE version = expected`` on ``backend``, fenced by
+        the row's bucket (``bucket``, the id's: None only where the backend's
+        dialect ``fences_by_row``).  If
+        it changed nothing, the row is read: at another version, that is the
+        ``Conflict``; else (no row, or a bucket not owned) False, and the
+        whole write path finds out why.  (A copy left on a shard that let the
+        bucket go takes no write, so its version is still the one expected:
+        it never passes for a conflict.)  An :class:`EntityRow` is made only
+        for a cache level to tell."""
+        updated = time.time_ns() // 1000
         testing.hit("put.before_entity")
         version = backend.update_row_if(
             self.kind, entity_id, bucket, updated, body, expected, moves=False
@@ -402,13 +449,15 @@ class Writes:
             found = backend.read_bodies(self.kind, [entity_id], stamps=True)
             if found and int(found[0][2]) != expected:
                 raise conflict({entity_id: int(found[0][2])}, [], "put")
-            return None
+            return False
         testing.hit("put.after_entity")
         cache = self.cache
         if not cache.idle():
+            if bucket is None:
+                bucket = bucket_of(entity_id, self.buckets)
             row = EntityRow(entity_id, bucket, updated, body)
             cache.puts_committed([row], {entity_id: version}, self.fetch_many)
-        return entity_id
+        return True
 
     def _beside(self, bucket: int, other: int) -> bool:
         """Whether two buckets are on one shard (by this process's placement)."""

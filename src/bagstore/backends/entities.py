@@ -363,7 +363,7 @@ class EntityOps:
         self,
         kind: str,
         entity_id: bytes,
-        bucket: int,
+        bucket: int | None,
         updated: int,
         body: bytes,
         expected: int,
@@ -372,14 +372,19 @@ class EntityOps:
     ) -> int:
         """:meth:`update_if` of a row given by its fields (a read-modify-write
         makes no :class:`EntityRow`): the row's new version, 0 if the
-        statement changed nothing."""
+        statement changed nothing.  ``moves=False``: the row keeps its bucket,
+        whose ownership is checked (``bucket`` may be None where the dialect
+        :attr:`~EntitySQL.fences_by_row`: the row's own is checked)."""
         new = clock()
         if new <= expected:  # (max(expected + 1, clock()) without the call)
             new = expected + 1
         blob = self.blob
-        params = [updated, new, blob(body), blob(entity_id), expected, bucket]
         if moves:
-            params.insert(0, bucket)
+            params = [bucket, updated, new, blob(body), blob(entity_id), expected, bucket]
+        elif self.dialect.fences_by_row:
+            params = [updated, new, blob(body), blob(entity_id), expected]
+        else:
+            params = [updated, new, blob(body), blob(entity_id), expected, bucket]
         # (the memo of ``self.sql``, looked up without its call)
         key = ("conditional_update_sql", kind, moves)
         sql = self._sql_memo.get(key) or self.sql(*key)

@@ -26,6 +26,12 @@ class EntitySQL:
     upsert_on_id: ClassVar[str]
     #: the larger of two values
     greatest: ClassVar[str]
+    #: Whether :meth:`conditional_update_sql` of a row that keeps its bucket
+    #: checks the ownership of the row's own ``bucket`` column (no bucket
+    #: bound): SQLite's, whose one writer at a time has no lock order to
+    #: keep.  MariaDB's binds the bucket, its ownership row share-locked
+    #: before the entity's row, as every other write of it locks them.
+    fences_by_row: ClassVar[bool] = False
 
     def q(self, name: str) -> str:
         raise NotImplementedError
@@ -82,13 +88,18 @@ class EntitySQL:
         """Replace one row's ``updated, version, body`` (and ``bucket`` first
         if ``moves``) only if its id has the version given and this shard owns
         the bucket (share-locked, as a fenced insert's): parameters ``[bucket,]
-        updated, version, body, id, expected version, bucket``.  (An indexed
-        column left out of the SET costs nothing.)"""
+        updated, version, body, id, expected version, bucket``.  Where the
+        dialect :attr:`fences_by_row` and the row keeps its bucket (not
+        ``moves``), the bucket is the row's own column and is not bound:
+        parameters ``updated, version, body, id, expected version``.  (An
+        indexed column left out of the SET costs nothing.)"""
         p = self.param
+        t = self.q(kind)
+        owned = f"{t}.bucket" if self.fences_by_row and not moves else p
         return (
-            f"UPDATE {self.q(kind)} SET {f'bucket = {p}, ' if moves else ''}updated = {p}, "
+            f"UPDATE {t} SET {f'bucket = {p}, ' if moves else ''}updated = {p}, "
             f"version = {p}, body = {p} WHERE id = {p} AND version = {p} AND EXISTS "
-            f"(SELECT 1 FROM bagstore_owned WHERE bucket = {p} AND state = 0{self.share_lock})"
+            f"(SELECT 1 FROM bagstore_owned WHERE bucket = {owned} AND state = 0{self.share_lock})"
         )
 
     def widen_version_sql(self, kind: str) -> list[str]:

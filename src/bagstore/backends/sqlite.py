@@ -114,6 +114,7 @@ class SQLiteDialect(Dialect):
     upsert_on_id: ClassVar[str] = "ON CONFLICT(id) DO UPDATE SET"
     greatest: ClassVar[str] = "MAX"
     begin_write: ClassVar[str] = "BEGIN IMMEDIATE"
+    fences_by_row: ClassVar[bool] = True  # (a conditional update binds no bucket)
 
     def locked_read_sql(self, kind: str, buckets: int, ids: int, bodies: bool = True) -> str:
         # A few buckets (a put's own and its index rows'): one primary-key
