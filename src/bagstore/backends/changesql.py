@@ -287,9 +287,11 @@ def rows_per_range(backend: Backend) -> int:
     """The most rows a reader asks of one bucket at a time (bagstore.feedread):
     MariaDB spends ~30 us on each range of an ``OR`` beyond its rows
     (measured: 200 ranges of 4 rows 20 ms, one range of 800 rows 8 ms), so
-    it is asked for longer ones; SQLite's ranges cost little more than
-    their rows, and shorter ones keep fewer rows waiting in memory."""
-    return 32 if _mysql(backend.dialect) else 8
+    it is asked for longer ones; on SQLite a range costs ~8k instructions
+    beyond its rows (the search, the Python around it), half a row's
+    reading: 16 rows keep that to ~1/16 of a row's cost while holding at most
+    16 rows a bucket waiting in memory."""
+    return 32 if _mysql(backend.dialect) else 16
 
 
 #: Ranges per statement of :func:`read_ranges`.
