@@ -28,7 +28,10 @@ Metrics (each backend; four shards, 64 buckets unless said):
   same seven columns, 1,000 rows per statement and shard) and decoding every
   body with ``codec.decode``: both sides decode every body once.  bagstore
   also merges the buckets by time and signs a cursor per page, which the raw
-  side does not.  Goal: >= 0.8x.
+  side does not; to merge, it reads each bucket by a range of its own (a
+  page needs every bucket's next change), where raw scans each shard once
+  in (bucket, position) order whatever the bucket count, and it hands out a
+  ``Change`` a row (raw: the driver's tuples).  Goal: >= 0.8x.
 - ``4 writers of one bucket``: four threads putting entities of one shard
   key (one bucket), feed on vs off: with the feed on, writers of one bucket
   wait for each other's commit (its position row).  Reported.
