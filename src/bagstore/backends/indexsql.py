@@ -196,15 +196,15 @@ class IndexOps:
                 key = ("insert_ignore_sql", table, cols, len(chunk))  # (self.sql's memo, inline)
                 sql = memo.get(key) or self.sql(*key)
             again = fenced and self.dialect.fenced_by_key(len(chunk))  # the bucket once more
-            if len(columns) == 1 and not extra and not again and len(chunk) > 8:
-                # (a put_many's: flattened in C; a row's first key is its keys[0])
-                keys = map(blob, map(_KEYS, map(_KEYS, chunk)))
-                ids = map(blob, map(_ENTITY, chunk))
-                params = list(chain.from_iterable(zip(keys, ids, map(_BUCKET, chunk), strict=True)))
-            elif len(columns) == 1 and not extra and not again:  # (a put's few: a loop)
+            plain = len(columns) == 1 and not extra and not again  # (key, id, bucket) a row
+            if plain and len(chunk) <= 8:  # (a put's few: a loop)
                 params = []
                 for r in chunk:
                     params += (blob(r[0][0]), blob(r[1]), r[2])
+            elif plain:  # (a put_many's: flattened in C; a row's first key is its keys[0])
+                keys = map(blob, map(_KEYS, map(_KEYS, chunk)))
+                ids = map(blob, map(_ENTITY, chunk))
+                params = list(chain.from_iterable(zip(keys, ids, map(_BUCKET, chunk), strict=True)))
             else:
                 params = [
                     v

@@ -345,7 +345,7 @@ class SQLiteBackend(Backend):
         try:
             cur.execute("BEGIN IMMEDIATE")
             result = work(cur, *args)
-            cur.connection.commit()
+            cur.execute("COMMIT")
         except BaseException as exc:
             error = self._settle(cur.connection, exc)  # rolled back and released, or discarded
             if _is_busy(exc):
