@@ -197,6 +197,7 @@ class IndexOps:
                 sql = memo.get(key) or self.sql(*key)
             again = fenced and self.dialect.fenced_by_key(len(chunk))  # the bucket once more
             plain = len(columns) == 1 and not extra and not again  # (key, id, bucket) a row
+            params: list[Any]
             if plain and len(chunk) <= 8:  # (a put's few: a loop)
                 params = []
                 for r in chunk:
