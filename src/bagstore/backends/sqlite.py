@@ -515,9 +515,10 @@ class SQLiteBackend(Backend):
         return conn
 
     # The thread's connection is ``local.conn``; ``local.kept`` its cursor for
-    # statements outside units of work (get_body's, execute's), which is
-    # ``local.cur`` while the connection is idle and None while a unit of work
-    # holds it: the statements' one test of the thread's state.
+    # statements outside units of work (get_body's, execute's) and for the
+    # transactions of ``write``, which is ``local.cur`` while the connection
+    # is idle and None while a unit of work (or a write) holds it: the
+    # statements' one test of the thread's state.
     def _acquire(self) -> Any:
         local = self._local
         conn: sqlite3.Connection | None = getattr(local, "conn", None)
