@@ -180,3 +180,77 @@ def test_a_write_checks_every_bucket_it_fences(topo: Topology, fenced: int, stat
         with pytest.raises(bagstore.KeyMigrating if state == "frozen" else StalePlacement):
             write()
         assert backend.get_bodies("posts", [entity_id]) == {}
+
+
+def _row(ds: bagstore.Datastore, body: dict[str, Any]) -> Any:
+    """An EntityRow of a new id for ``body`` on shard 0 of ``ds``."""
+    from bagstore.backends import EntityRow
+    from bagstore.sharding.hashing import bucket_of
+
+    buckets = len(ds.placement.shard_of_bucket)
+    entity_id = next(
+        i
+        for i in (os.urandom(16) for _ in range(10_000))
+        if ds.placement.shard_of_bucket[bucket_of(i, buckets)] == 0
+    )
+    return EntityRow(entity_id, bucket_of(entity_id, buckets), 1, bagstore.codec.encode(body))
+
+
+def test_a_failed_write_is_rolled_back_and_its_shard_goes_on(topo: Topology) -> None:
+    """``Backend.write``: the work's statements are one transaction; an
+    error inside rolls it back and is raised as it is, and the shard's next
+    writes and reads go on (on SQLite, the thread's kept connection and
+    cursor are given back)."""
+    ds = topo.open(kind="posts")
+    backend = ds.router.backends[0]
+    row, other = _row(ds, {"n": 1}), _row(ds, {"n": 2})
+
+    def fails(cur: Any, old: Any) -> None:
+        raise ValueError("within fails")
+
+    with pytest.raises(ValueError, match="within fails"):
+        backend.put_entities("posts", [row], read_old=True, within=fails)
+    assert backend.get_bodies("posts", [row.id]) == {}
+    seen: list[Any] = []
+    assert backend.write(lambda cur, *args: seen.append(args) or "done", 1, 2) == "done"
+    assert seen == [(1, 2)]
+    backend.put_entities("posts", [other], read_old=True, within=lambda cur, old: None)
+    assert ds.get(other.id) == {"n": 2}
+    if topo.name == "sqlite":
+        assert backend._local.cur is backend._local.kept  # idle again, kept for the next
+
+
+def test_a_sqlite_write_runs_again_after_a_busy_error_the_handler_left(topo: Topology) -> None:
+    """A ``SQLITE_BUSY`` that SQLite's busy handler did not wait on (a stale
+    WAL snapshot's) rolls the write back and runs it again; one that it
+    waited on for ``busy_timeout`` is the shard's lock timeout."""
+    import sqlite3
+
+    if topo.name != "sqlite":
+        pytest.skip("SQLite's busy handling")
+    ds = topo.open(kind="posts")
+    backend = ds.router.backends[0]
+    backend.write(lambda cur: None)  # (the thread's connection made and kept)
+    row = _row(ds, {"n": 1})
+    runs: list[int] = []
+
+    def busy_once(code: int) -> Any:
+        def work(cur: Any, old: Any) -> None:
+            runs.append(code)
+            if len(runs) == 1:
+                exc = sqlite3.OperationalError("database is locked")
+                exc.sqlite_errorcode = code  # type: ignore[attr-defined]
+                raise exc
+
+        return work
+
+    backend.put_entities("posts", [row], read_old=True, within=busy_once(517))  # BUSY_SNAPSHOT
+    assert runs == [517, 517]
+    assert ds.get(row.id) == {"n": 1}
+    runs.clear()
+    again = _row(ds, {"n": 2})
+    with pytest.raises(bagstore.ShardTimeout, match="busy_timeout"):
+        backend.put_entities("posts", [again], read_old=True, within=busy_once(5))  # SQLITE_BUSY
+    assert runs == [5]
+    assert backend.get_bodies("posts", [again.id]) == {}
+    assert backend._local.cur is backend._local.kept

@@ -104,7 +104,7 @@ class Colocated:
         lookups: Mapping[bytes, int] | None = None,
         before: Callable[[], None] | None = None,
         locked: frozenset[int] = frozenset(),
-    ) -> Callable[[Any, dict[bytes, bytes | None]], None] | None:
+    ) -> Callable[[Any, Mapping[bytes, bytes | None]], None] | None:
         """The ``within`` of the transaction writing ``ids`` on ``backend``:
         ``new_rows`` their new index rows (None: a delete), ``skip`` ids whose
         old body is not in this transaction (moved from another shard),
@@ -115,7 +115,7 @@ class Colocated:
         if not self.plain and before is None and not (lookups and any(i in lookups for i in ids)):
             return None
 
-        def run(cur: Any, old: dict[bytes, bytes | None]) -> None:
+        def run(cur: Any, old: Mapping[bytes, bytes | None]) -> None:
             if before is not None:
                 before()
             topology = self.router.topology

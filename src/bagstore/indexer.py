@@ -25,7 +25,7 @@ A second owner gets ``DuplicateValue`` and nothing of it is stored.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
@@ -46,7 +46,7 @@ __all__ = ["Change", "Claim", "Indexer"]
 _BUCKET = itemgetter(2)  # an IndexRow's bucket
 
 
-@dataclass
+@dataclass(slots=True)  # (no __dict__ to make: one per index a put changes)
 class Change:
     """Index rows to delete and to insert for one index."""
 
@@ -112,11 +112,6 @@ class Indexer:
         value gained without a race is not re-stamped (a put that changes no
         unique value, or gains one alone, costs nothing more)."""
         changes = []
-        made = made or {}
-        if stamp is None or old_stamp is None:
-            bound = old_stamp if stamp is None else stamp
-        else:
-            bound = max(stamp, old_stamp)
         for index in indexes:
             if old is None and not index.unique:  # (no old body: its rows, all new)
                 gained = new_rows.get(index.table)
@@ -126,15 +121,21 @@ class Indexer:
             before = index.rows_or_none(old, entity_id, buckets)
             after = new_rows.get(index.table, set())
             insert = after - before
+            bound = None
             if index.unique:
-                insert = {
-                    r
-                    for r in insert
-                    if r not in made or (old_stamp is not None and old_stamp >= made[r])
-                }
+                if made:
+                    insert = {
+                        r
+                        for r in insert
+                        if r not in made or (old_stamp is not None and old_stamp >= made[r])
+                    }
+                if stamp is None or old_stamp is None:
+                    bound = old_stamp if stamp is None else stamp
+                else:
+                    bound = max(stamp, old_stamp)
             delete = before - after
             if insert or delete:
-                changes.append(Change(index, delete, insert, bound if index.unique else None))
+                changes.append(Change(index, delete, insert, bound))
         return changes
 
     # -- unique claims -------------------------------------------------------------
@@ -236,28 +237,35 @@ class Indexer:
 
     @staticmethod
     def write_in(
-        backend: Backend, cur: Any, changes: Sequence[Change], locked: Set[int] = frozenset()
+        backend: Backend, cur: Any, changes: Sequence[Change], locked: Collection[int] = ()
     ) -> None:
         """Delete, then insert, the rows of ``changes`` (of indexes that are not
         unique) in the transaction of ``cur`` on ``backend``: an entity write's,
         when the rows live on the entity's shard.  Fenced like :meth:`apply`,
         except the inserts into ``locked`` buckets, whose ownership the
         transaction holds already (share-locked by its locked read)."""
-        per_index: dict[str, tuple[Index, list[IndexRow], list[IndexRow]]] = {}
-        for ch in changes:  # one statement per index and chunk, not per entity
-            entry = per_index.setdefault(ch.index.table, (ch.index, [], []))
-            entry[1].extend(ch.delete)
-            entry[2].extend(ch.insert)
-        for index, delete, _ in per_index.values():
+        groups: Iterable[tuple[Index, Collection[IndexRow], Collection[IndexRow]]]
+        if len(changes) == 1:  # (one index's change, a put's: nothing to group)
+            ch = changes[0]
+            groups = ((ch.index, ch.delete, ch.insert),)
+        else:  # one statement per index and chunk, not per entity
+            per_index: dict[str, tuple[Index, list[IndexRow], list[IndexRow]]] = {}
+            for ch in changes:
+                entry = per_index.setdefault(ch.index.table, (ch.index, [], []))
+                entry[1].extend(ch.delete)
+                entry[2].extend(ch.insert)
+            groups = per_index.values()
+        for index, delete, _ in groups:
             if delete:
                 backend.delete_index_rows(
-                    index.table, index.properties, delete, fenced=True, cur=cur
+                    index.table, index.properties, list(delete), fenced=True, cur=cur
                 )
-        for index, _, insert in per_index.values():
-            if all(map(locked.__contains__, map(_BUCKET, insert))):  # (one shard: all)
-                held = insert
-            else:
-                held = [r for r in insert if r.bucket in locked]
+        for index, _, insert in groups:
+            held = insert  # (one shard: every row's bucket is locked)
+            for r in insert:
+                if r.bucket not in locked:
+                    held = [r for r in insert if r.bucket in locked]
+                    break
             if held:
                 backend.insert_index_rows(index.table, index.properties, held, cur=cur, later=True)
             if len(held) < len(insert):

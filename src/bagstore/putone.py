@@ -33,6 +33,7 @@ does the whole write, with its refresh and waits.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from bagstore import codec, testing
@@ -95,25 +96,22 @@ def put_one(writes: Writes, entity: Any) -> bytes | None:
     if backend is None:
         backend = topology.backend_of(bucket)
     versions: dict[bytes, int] = {}
-    made: list[list[Change]] = []  # the index diff, made under the row's lock
+    made: list[list[Change]] = [[]]  # the index diff, made under the row's lock
     within = None
-    fence: frozenset[int] = frozenset()
+    held: list[int] = []  # the index rows' buckets (a loop: no comprehension's frame)
     if indexes:
         new_rows: dict[str, set[IndexRow]] = {}
-        held: list[int] = []  # the rows' buckets (a loop: no comprehension's frame)
         for index in indexes:
             rows = new_rows[index.table] = index.rows_for(entity, entity_id, buckets)
             for r in rows:
                 held.append(r.bucket)
-        fence = frozenset(held)
         shard = backend
 
-        def within(cur: Any, old: dict[bytes, bytes | None]) -> None:
+        def within(cur: Any, old: Mapping[bytes, bytes | None]) -> None:
             body = old.get(entity_id)
             prev = codec.decode(body) if body is not None else None
-            diff = Indexer.diff(indexes, new_rows, prev, entity_id, buckets)
-            made[:] = [diff]  # (a transaction run again makes it again)
-            Indexer.write_in(shard, cur, diff, fence)
+            diff = made[0] = Indexer.diff(indexes, new_rows, prev, entity_id, buckets)
+            Indexer.write_in(shard, cur, diff, held)  # (a transaction run again: made again)
 
     testing.hit("put.before_entity")
     try:
@@ -123,7 +121,7 @@ def put_one(writes: Writes, entity: Any) -> bytes | None:
             read_old=bool(indexes),
             versions=versions if leases else None,  # (only the shared level's markers)
             within=within,
-            fence=fence,
+            fence=held,
         )
     except StalePlacement as exc:  # rolled back: learn where the bucket is now,
         writes.router.refresh_refused(exc.buckets)  # and the general path writes there
@@ -131,10 +129,13 @@ def put_one(writes: Writes, entity: Any) -> bytes | None:
     except KeyMigrating:
         return None  # rolled back: the general path waits for the move
     testing.hit("put.after_entity")
-    cache.puts_committed([row], versions, writes.fetch_many)
+    idle = cache.idle()  # (no level to tell: the two calls below would do nothing)
+    if not idle:
+        cache.puts_committed([row], versions, writes.fetch_many)
     if indexes:
         testing.hit("put.after_index_delete")  # (every row is written already)
-        cache.rows_written(made[0] if made else [], (), registry)
+        if not idle:
+            cache.rows_written(made[0], (), registry)
     if fresh:
         entity["id"] = entity_id
     return entity_id

@@ -415,6 +415,18 @@ class Backend(EntityOps, BucketOps, IndexOps, ScanOps):
         finally:
             cur.close()
 
+    def write(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(cursor, *args)`` in one write transaction on this shard (see
+        :meth:`transaction`), run again as :meth:`run` runs its work; its
+        result.  (A backend may run it on a connection and cursor it keeps:
+        ``work`` uses the cursor only while it runs.)"""
+        result: T = self.run(self._transact, work, *args)
+        return result
+
+    def _transact(self, conn: Any, work: Callable[..., T], *args: Any) -> T:
+        with self.transaction(conn) as cur:
+            return work(cur, *args)
+
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Run one statement in autocommit mode; return its row count."""
 

@@ -47,8 +47,8 @@ ENTITY_COLUMNS = frozenset({"added_id", "id", "bucket", "updated", "version", "b
 T = TypeVar("T")
 
 #: ``within(cursor, {id: old body or None})``: work run inside an entity
-#: write's transaction (see :meth:`Backend.put_entities`).
-Within = Callable[[Any, "dict[bytes, bytes | None]"], None]
+#: write's transaction (see :meth:`Backend.put_entities`: read it with ``get``).
+Within = Callable[[Any, "Mapping[bytes, bytes | None]"], None]
 
 
 class EntityRow(NamedTuple):
@@ -111,6 +111,8 @@ class EntityOps:
         def run(self, work: Callable[..., T], *args: Any, attempts: int = 3) -> T: ...
 
         def transaction(self, conn: Any) -> AbstractContextManager[Any]: ...
+
+        def write(self, work: Callable[..., T], *args: Any) -> T: ...
 
         def execute(self, sql: str, params: Sequence[Any] = ()) -> int: ...
 
@@ -245,64 +247,81 @@ class EntityOps:
         ``refused`` (required with ``expect``) gets ``{id: version found}`` of
         the rows that failed and ``{}`` is returned.  ``within(cursor, old)``,
         if given, runs in the transaction after the upsert (``old``: ``{id:
-        replaced body or None}``, the bodies only with ``read_old``);
+        replaced body}`` with ``read_old``, else empty; an id whose row was
+        not there is not in it: read it with ``get``);
         ``fence``: more buckets whose ownership the transaction checks and
         share-locks with its rows' (those of the rows ``within`` writes
         without a fence of their own)."""
 
-        one = rows[0] if len(rows) == 1 else None
-        alone = one is not None and not (read_old or expect or carried or within)
-        if alone and self._put_one(kind, rows[0], versions):
-            return {}
-        if (
-            one is not None
-            and expect
-            and expect.get(one.id, 0) > 0
-            and not (read_old or carried or within)
-            and self.update_if(kind, one, expect[one.id], versions)
-        ):
-            return {}  # one statement did it (else: the transaction finds out why not)
+        if len(rows) == 1 and not (read_old or carried or within):
+            one = rows[0]
+            if not expect:
+                if self._put_one(kind, one, versions):
+                    return {}
+            elif expect.get(one.id, 0) > 0 and self.update_if(kind, one, expect[one.id], versions):
+                return {}  # one statement did it (else: the transaction finds out why not)
+        old, new = self.write(
+            self._write_rows, kind, rows, read_old, stamps, expect, carried, refused, within, fence
+        )
+        if versions is not None and new is not None:
+            versions.update(new)
+        return old
 
-        def work(conn: Any) -> dict[bytes, bytes]:
-            old: dict[bytes, bytes] = {}
-            found: dict[bytes, int] = {}
-            with self.transaction(conn) as cur:
-                ids = list(map(_ID, rows))
-                buckets = list(map(_BUCKET, rows))
-                for r in self._locked_read(cur, kind, [*buckets, *fence], ids, read_old):
-                    found[r[0]] = r[2]
-                    if read_old:
-                        old[r[0]] = r[1]
-                    if stamps is not None:
-                        stamps[r[0]] = r[3]
-                if carried:
-                    found = {**{i: v for i, v in carried.items() if i in ids}, **found}
-                if expect:
-                    failed = {i: found.get(i, 0) for i, v in expect.items() if found.get(i, 0) != v}
-                    if failed:
-                        assert refused is not None, "expect needs refused"
-                        refused.update(failed)
-                        return {}
-                # The clock is read with the rows locked (bagstore.versions):
-                # once for them all, each row's version next_version's.
-                now = clock()
-                if found:
-                    new = {r.id: next_version(found.get(r.id), now) for r in rows}
-                else:  # (no row yet: each the same first version)
-                    new = dict.fromkeys(ids, next_version(None, now))
-                for chunk in self._chunks(rows):
-                    later(
-                        cur,
-                        self.sql("write_entities_sql", kind, len(chunk)),
-                        _flatten(chunk, new, self.blob),
-                    )
-                if within is not None:
-                    within(cur, {i: old.get(i) for i in ids} if old else dict.fromkeys(ids))
-            if versions is not None:
-                versions.update(new)
-            return old
-
-        return self.run(work)
+    def _write_rows(
+        self,
+        cur: Any,
+        kind: str,
+        rows: Sequence[EntityRow],
+        read_old: bool,
+        stamps: dict[bytes, int] | None,
+        expect: Mapping[bytes, int] | None,
+        carried: Mapping[bytes, int] | None,
+        refused: dict[bytes, int] | None,
+        within: Within | None,
+        fence: Collection[int],
+    ) -> tuple[dict[bytes, bytes], dict[bytes, int] | None]:
+        """:meth:`put_entities`' transaction: the bodies replaced and the
+        rows' new versions (None: a condition failed, nothing written).  A
+        put's one row is worked on as itself (each call that builds a list
+        of one costs a one-entity put on SQLite ~1-2k instructions)."""
+        old: dict[bytes, bytes] = {}
+        found: dict[bytes, int] = {}
+        if len(rows) == 1:
+            ids: Sequence[bytes] = (rows[0][0],)
+            buckets = [rows[0][1], *fence]
+        else:
+            ids = list(map(_ID, rows))
+            buckets = [*map(_BUCKET, rows), *fence]
+        for r in self._locked_read(cur, kind, buckets, ids, read_old):
+            found[r[0]] = r[2]
+            if read_old:
+                old[r[0]] = r[1]
+            if stamps is not None:
+                stamps[r[0]] = r[3]
+        if carried:
+            found = {**{i: v for i, v in carried.items() if i in ids}, **found}
+        if expect:
+            failed = {i: found.get(i, 0) for i, v in expect.items() if found.get(i, 0) != v}
+            if failed:
+                assert refused is not None, "expect needs refused"
+                refused.update(failed)
+                return {}, None
+        # The clock is read with the rows locked (bagstore.versions):
+        # once for them all, each row's version next_version's.
+        now = clock()
+        if found:
+            new = {r.id: next_version(found.get(r.id), now) for r in rows}
+        elif len(ids) == 1:  # (no row yet: next_version(None, now), the clock)
+            new = {ids[0]: now}
+        else:
+            new = dict.fromkeys(ids, now)
+        blob, memo = self.blob, self._sql_memo
+        for chunk in (rows,) if len(rows) == 1 else self._chunks(rows):
+            key = ("write_entities_sql", kind, len(chunk))  # (self.sql's memo, without its call)
+            later(cur, memo.get(key) or self.sql(*key), _flatten(chunk, new, blob))
+        if within is not None:
+            within(cur, old)
+        return old, new
 
     def _put_one(self, kind: str, row: EntityRow, versions: dict[bytes, int] | None) -> bool:
         """One entity in one statement, where the dialect has one; False if it
@@ -402,14 +421,18 @@ class EntityOps:
         and raise unless this shard owns them all; lock the rows of ``ids`` and
         return them as ``(id, body, version, updated)`` (the body None unless
         ``bodies``).  One statement for up to 1,000 buckets and 1,000 ids."""
-        wanted = sorted(set(buckets))
-        owned = 0
+        if len(buckets) == 2:  # (a put's: the entity's bucket and its index row's)
+            a, b = buckets
+            wanted = [a] if a == b else [a, b] if a < b else [b, a]
+        else:
+            wanted = sorted(set(buckets))
+        blob, memo, owned = self.blob, self._sql_memo, 0
         found: list[tuple[Any, ...]] = []
         for start in range(0, max(len(wanted), len(ids)), 1000):
-            some = wanted[start : start + 1000]
-            part = ids[start : start + 1000]
-            sql = self.sql("locked_read_sql", kind, len(some), len(part), bodies)
-            cur.execute(sql, [*some, *map(self.blob, part)])
+            some = wanted[start : start + 1000] if start or len(wanted) > 1000 else wanted
+            part = ids[start : start + 1000] if start or len(ids) > 1000 else ids
+            key = ("locked_read_sql", kind, len(some), len(part), bodies)  # (see _write_rows)
+            cur.execute(memo.get(key) or self.sql(*key), [*some, *map(blob, part)])
             # int(): a UNION of NULL and an integer column may come back as
             # DECIMAL (MariaDB does so for INT UNSIGNED).
             for r in cur.fetchall():
@@ -493,12 +516,10 @@ class EntityOps:
         their rows locked (of ``buckets``, which this shard must own): a write
         still committing is waited for, never missed."""
 
-        def work(conn: Any) -> dict[bytes, Stored]:
-            with self.transaction(conn) as cur:
-                rows = self._locked_read(cur, kind, buckets, ids)
-            return {r[0]: Stored(bytes(r[1]), r[2], r[3]) for r in rows}
-
-        return self.run(work) if ids else {}
+        if not ids:
+            return {}
+        rows = self.write(self._locked_read, kind, buckets, ids)
+        return {r[0]: Stored(bytes(r[1]), r[2], r[3]) for r in rows}
 
     def scan_entities(
         self, kind: str, after_added_id: int, limit: int

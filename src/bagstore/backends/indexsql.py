@@ -10,11 +10,11 @@ has ``claimed``: when its row was claimed, in microseconds.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
 from itertools import chain
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 from bagstore.backends.pipeline import later as send_later
 from bagstore.errors import DuplicateValue
@@ -79,6 +79,8 @@ class IndexOps:
     index_rows_per_statement: int
     bulk_rows_per_statement: int
     max_statement_bytes: int
+    _sql_memo: dict[tuple[Any, ...], str]
+    blob: ClassVar[type[bytes] | type[bytearray]]
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         raise NotImplementedError
@@ -152,7 +154,7 @@ class IndexOps:
         self,
         table: str,
         columns: Sequence[str],
-        rows: Sequence[IndexRow],
+        rows: Collection[IndexRow],
         *,
         claimed: int | None = None,
         fenced: bool = False,
@@ -166,27 +168,48 @@ class IndexOps:
         entity write's, see ``Backend.put_entities``); with ``later`` (not
         fenced), sent with that transaction's next statement
         (:func:`bagstore.backends.pipeline.later`): 0 rows counted."""
-        cols = (*columns, ENTITY_ID, BUCKET) + ((CLAIMED,) if claimed is not None else ())
-        extra = (claimed,) if claimed is not None else ()
+        extra: tuple[int, ...]
+        if claimed is None:
+            cols, extra = (*columns, ENTITY_ID, BUCKET), ()
+        else:
+            cols, extra = (*columns, ENTITY_ID, BUCKET, CLAIMED), (claimed,)
+        blob, memo = self.blob, self._sql_memo  # (ids and keys bound as entity writes bind theirs)
         written = 0
         # (a fenced insert is a compound SELECT a row, whose terms SQLite caps)
         step = self.index_rows_per_statement if fenced else self.bulk_rows_per_statement
-        for start in range(0, len(rows), step):
-            chunk = rows[start : start + step]
+        if len(rows) <= step:  # (a put's few rows, maybe a set: no slice, no range)
+            chunks: Iterable[Collection[IndexRow]] = (rows,)
+        else:
+            listed = list(rows)
+            chunks = [listed[start : start + step] for start in range(0, len(listed), step)]
+        for chunk in chunks:
             if fenced:
                 sql = self.sql("fenced_insert_sql", table, cols, len(chunk), ignore=True)
             else:
-                sql = self.sql("insert_ignore_sql", table, cols, len(chunk))
+                key = ("insert_ignore_sql", table, cols, len(chunk))  # (self.sql's memo, inline)
+                sql = memo.get(key) or self.sql(*key)
             again = fenced and self.dialect.fenced_by_key(len(chunk))  # the bucket once more
-            if len(columns) == 1 and not extra and not again:  # (a put's: flattened in C)
-                keys = map(_KEYS, map(_KEYS, chunk))  # (the first, of a row's keys: [0])
-                flat = zip(keys, map(_ENTITY, chunk), map(_BUCKET, chunk), strict=True)
-                params = list(chain.from_iterable(flat))
+            plain = len(columns) == 1 and not extra and not again  # (key, id, bucket) a row
+            params: list[Any]
+            if plain and len(chunk) <= 8:  # (a put's few: a loop)
+                params = []
+                for r in chunk:
+                    params += (blob(r[0][0]), blob(r[1]), r[2])
+            elif plain:  # (a put_many's: flattened in C; a row's first key is its keys[0])
+                keys = map(blob, map(_KEYS, map(_KEYS, chunk)))
+                ids = map(blob, map(_ENTITY, chunk))
+                params = list(chain.from_iterable(zip(keys, ids, map(_BUCKET, chunk), strict=True)))
             else:
                 params = [
                     v
                     for r in chunk
-                    for v in (*r.keys, r.entity_id, r.bucket, *extra, *([r.bucket] * again))
+                    for v in (
+                        *map(blob, r.keys),
+                        blob(r.entity_id),
+                        r.bucket,
+                        *extra,
+                        *([r.bucket] * again),
+                    )
                 ]
             if later and cur is not None and not fenced:
                 send_later(cur, sql, params)

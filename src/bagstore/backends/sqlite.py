@@ -329,6 +329,37 @@ class SQLiteBackend(Backend):
                 self._discard(local.conn)
             raise error from exc
 
+    def write(self, work: Callable[..., T], *args: Any) -> T:
+        """:meth:`Backend.write` on the thread's idle connection, through its
+        kept cursor: ``BEGIN IMMEDIATE``, ``work(cursor, *args)``, ``COMMIT``,
+        with none of the generic path's unit of work (a cursor made and
+        closed, a context manager's generator, the retry loop's frames: a
+        fifth of a one-entity put's Python).  A failure rolls back as
+        :meth:`run` does; a ``SQLITE_BUSY`` that SQLite's busy handler did not
+        cover runs the work again by the generic path, which waits and tries
+        again."""
+        local = self._local
+        cur: sqlite3.Cursor | None = getattr(local, "cur", None)
+        if cur is None:  # first use, or inside a unit of work
+            return super().write(work, *args)
+        local.cur = None  # in a unit of work
+        try:
+            cur.execute("BEGIN IMMEDIATE")
+            result = work(cur, *args)
+            cur.execute("COMMIT")
+        except BaseException as exc:
+            error = self._settle(cur.connection, exc)  # rolled back and released, or discarded
+            if _is_busy(exc):
+                if self._waited(exc):
+                    raise self._locked_error() from exc
+                time.sleep(_BUSY_FIRST_WAIT)
+                return super().write(work, *args)
+            if error is exc:
+                raise
+            raise error from exc
+        local.cur = cur  # idle
+        return result
+
     def run(self, work: Callable[..., T], *args: Any, attempts: int = 5) -> T:
         """:meth:`Backend.run`, run again after a ``SQLITE_BUSY`` that SQLite's
         busy handler does not cover (short waits, see the module's text), for
@@ -485,9 +516,10 @@ class SQLiteBackend(Backend):
         return conn
 
     # The thread's connection is ``local.conn``; ``local.kept`` its cursor for
-    # statements outside units of work (get_body's, execute's), which is
-    # ``local.cur`` while the connection is idle and None while a unit of work
-    # holds it: the statements' one test of the thread's state.
+    # statements outside units of work (get_body's, execute's) and for the
+    # transactions of ``write``, which is ``local.cur`` while the connection
+    # is idle and None while a unit of work (or a write) holds it: the
+    # statements' one test of the thread's state.
     def _acquire(self) -> Any:
         local = self._local
         conn: sqlite3.Connection | None = getattr(local, "conn", None)
