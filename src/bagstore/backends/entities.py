@@ -6,21 +6,20 @@ an entities table; :class:`EntityOps` (mixed into
 :class:`bagstore.backends.base.Backend`) runs them: creating a kind's table,
 reading bodies, the locked reads and writes of puts and deletes (versions,
 conditional writes, work ``within`` the write's transaction), and the scans of
-backfills and ``recent`` reads.
+backfills and ``recent`` reads.  The row types are in :mod:`bagstore.backends.entityrows`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from functools import partial
-from itertools import repeat
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from bagstore.backends.buckets import ownership_error
 from bagstore.backends.changesql import skip_sql
+from bagstore.backends.entityrows import EntityRow, Stored, entity_row, entity_rows
 from bagstore.backends.entitysql import NOT_OWNED, EntitySQL
 from bagstore.backends.pipeline import later
 from bagstore.errors import ConfigurationError, StalePlacement
@@ -49,37 +48,6 @@ T = TypeVar("T")
 #: ``within(cursor, {id: old body or None})``: work run inside an entity
 #: write's transaction (see :meth:`Backend.put_entities`: read it with ``get``).
 Within = Callable[[Any, "Mapping[bytes, bytes | None]"], None]
-
-
-class EntityRow(NamedTuple):
-    """One row of an entities table as bagstore writes it (a tuple: a batch
-    makes one per entity)."""
-
-    id: bytes
-    bucket: int
-    updated: int  # microseconds since the Unix epoch, UTC
-    body: bytes
-
-
-#: ``EntityRow`` of a tuple of its four fields, at C's speed (namedtuple's
-#: own ``_make`` does ``tuple.__new__(cls, iterable)`` from Python).
-entity_row = partial(tuple.__new__, EntityRow)
-
-
-def entity_rows(
-    ids: Iterable[bytes], buckets: Iterable[int], updated: int, bodies: Iterable[bytes]
-) -> list[EntityRow]:
-    """``[EntityRow(i, b, updated, body) ...]`` of a batch, built in one pass
-    of C (a put_many's 500 rows)."""
-    return list(map(entity_row, zip(ids, buckets, repeat(updated), bodies)))
-
-
-class Stored(NamedTuple):
-    """An entity row as read back: encoded body, version, updated (µs)."""
-
-    body: bytes
-    version: int
-    updated: int
 
 
 class EntityOps:
