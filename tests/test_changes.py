@@ -115,13 +115,15 @@ def test_rolled_back_transaction_has_no_change(
     ds.feed.enable()
     entity_id = ds.put({"n": 1})
 
-    def failing(self: Any, rows: Any) -> Any:
-        yield rows
+    def failing(backend: Any, cur: Any, *args: Any) -> None:
+        cur.execute("SELECT 1")  # (a read: sends the upsert a pipeline holds back)
+        cur.fetchall()
         raise RuntimeError("the connection broke after the upsert")
 
-    from bagstore.backends.base import Backend
+    from bagstore.indexer import Indexer
 
-    monkeypatch.setattr(Backend, "_chunks", failing)
+    # (the index rows are written in the entity's transaction, after its upsert)
+    monkeypatch.setattr(Indexer, "write_in", staticmethod(failing))
     with pytest.raises(RuntimeError):
         ds.put({"id": entity_id, "n": 2})
     monkeypatch.undo()
