@@ -1,6 +1,5 @@
 """MariaDB / MySQL through PyMySQL (default) or mysqlclient (the statement
-text, :class:`MySQLDialect`, is in ``mysqlsql.py``; a put of one entity
-calls a stored procedure: ``mysqlproc.py``).
+text, :class:`MySQLDialect`, is in ``mysqlsql.py``).
 
 Driver quirks live here: every session runs with ``time_zone='+00:00'`` and a
 strict ``sql_mode``; bytes go over the wire with the ``_binary`` prefix; the
@@ -42,7 +41,6 @@ from typing import Any
 
 from bagstore.backends.base import Backend, check_identifier
 from bagstore.backends.gtid import Gtids, tracking_connection
-from bagstore.backends.mysqlproc import ProcedurePuts
 from bagstore.backends.mysqlsql import MySQLDialect
 from bagstore.backends.pipeline import MULTI_STATEMENTS, Pipeline
 from bagstore.backends.pool import Pool, in_long_statements
@@ -104,7 +102,7 @@ def _load_driver(name: str) -> Any:
         ) from exc
 
 
-class MySQLBackend(ProcedurePuts, Backend):
+class MySQLBackend(Backend):
     """One MariaDB/MySQL database (a schema) on one server."""
 
     dialect = MySQLDialect()
@@ -172,7 +170,6 @@ class MySQLBackend(ProcedurePuts, Backend):
             self._tracking_class = tracking_connection(self._driver)
         self._pool: Pool[Any] = self._new_pool()
         self._limits_known = False
-        self._compound_kinds: set[str] = set()  # puts without a procedure: mysqlproc.py
 
     def _columns(self, table: str) -> dict[str, int]:
         """``{column name: protocol type code}`` of ``table`` here (empty if
