@@ -175,7 +175,7 @@ class Conditional:
         bucket = None  # the id's, once hashed (a kind placed by its id)
         conflicts = 0
         for attempt in range(retries + 1):
-            # The row's shard, where its write is the row alone (Writes.alone):
+            # The row's shard, where its write is the row alone (rowalone.RowAlone.alone):
             # read there and written there in one statement each (Writes.put's
             # short path, without its frames); else the read and put of any
             # kind.  One shard holding every bucket needs no hash of the id.

@@ -12,6 +12,11 @@ A put, in order (docs/consistency.md tells why each step comes where it does):
 5. The cache layer learns what committed; the indexer deletes the old index
    rows and inserts the new ones (fenced, through the router again).
 
+Two shorter paths skip what they do not need: the put of one entity whose
+write is one transaction on one shard (:mod:`bagstore.putone`), and the
+conditional put of an entity whose write is its row alone
+(:mod:`bagstore.rowalone`, mixed into :class:`Writes`).
+
     >>> import bagstore, tempfile
     >>> ds = bagstore.open(tempfile.mkdtemp())
     >>> ds.delete(ds.put({"n": 1}))
@@ -35,14 +40,14 @@ from bagstore.colocated import Colocated
 from bagstore.errors import (
     BackendError,
     BagstoreError,
-    Conflict,
     InvalidEntity,
     ShardTimeout,
 )
 from bagstore.ids import new_id
 from bagstore.indexer import Change, Claim, Indexer
 from bagstore.putone import Plan, put_one
-from bagstore.sharding.hashing import bucket_list, bucket_of
+from bagstore.rowalone import Memo, RowAlone, conflict
+from bagstore.sharding.hashing import bucket_list
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
@@ -67,7 +72,7 @@ def check_id(entity_id: object, error: type[BagstoreError]) -> bytes:
     return entity_id
 
 
-class Writes:
+class Writes(RowAlone):
     """Puts and deletes of one kind.
 
     ``registry`` gives the kind's current indexes; ``fetch_many`` reads rows as
@@ -97,11 +102,7 @@ class Writes:
         #: (:class:`bagstore.putone.Plan`), remade when either is replaced
         self.short_plan: Plan | None = None
         #: :meth:`alone_route`'s registry, topology and answer
-        self._route: tuple[object, object, tuple[Backend | None, tuple[Backend, ...]]] = (
-            None,
-            None,
-            (None, ()),
-        )
+        self._route: Memo = (None, None, (None, ()))
 
     def row(self, entity: object, bucket: int | None = None) -> tuple[EntityRow, bool]:
         """Validate and encode one entity; returns the row and whether the id
@@ -373,92 +374,6 @@ class Writes:
                 out[entity_id][table] = made
         return out
 
-    def alone(self) -> bool:
-        """Whether an entity's write is its row alone: no index to maintain, no
-        lookup row, no shared cache level to lease keys in.  (The registry is
-        asked each time: it re-reads the placement and the indexes when due.)"""
-        return self._alone_in(self.registry())
-
-    def _alone_in(self, registry: Registry) -> bool:
-        if self.placer.shard_key is not None or self.cache.cache is not None:
-            return False
-        return not registry.by_table or not registry.maintained()
-
-    def alone_route(self) -> tuple[Backend | None, tuple[Backend, ...]]:
-        """Where the row of an entity whose write is its row alone (see
-        :meth:`alone`) is: ``(backend, ())`` when one shard holds every bucket
-        and its update binds no bucket (no id need be hashed), else ``(None,
-        backend of each bucket)`` (``Topology.backend_by_bucket``); ``(None,
-        ())`` when the write is not the row alone.  Worked out once for each
-        registry and topology the store reads (both are replaced, never
-        changed), the registry asked each time as ``alone`` asks it."""
-        registry = self.registry()
-        topology = self.router.topology
-        memo = self._route
-        if memo[0] is not registry or memo[1] is not topology:
-            route: tuple[Backend | None, tuple[Backend, ...]] = (None, ())
-            by_bucket = topology.backend_by_bucket
-            if by_bucket and self._alone_in(registry):
-                # (a bucket need not be hashed where the statement fences on
-                # the row's own: see EntitySQL.fences_by_row)
-                sole = by_bucket[0] if topology.sole_shard is not None else None
-                fenced = sole is not None and sole.dialect.fences_by_row
-                route = (sole, ()) if fenced else (None, by_bucket)
-            memo = self._route = (registry, topology, route)
-        return memo[2]
-
-    def update_one(
-        self, entity: dict[str, Any], expect: Mapping[bytes, int], bucket: int | None = None
-    ) -> bytes | None:
-        """A conditional put of one existing entity that is its row alone (see
-        :meth:`alone`): :meth:`update_row` after the checks and the encoding of
-        :meth:`row`, on the shard of ``bucket`` (as for :meth:`row`: the
-        entity's, when the caller hashed its id already); None where
-        ``update_row`` gives up, or the entity is new."""
-        entity_id, body, fresh = self._body(entity)
-        expected = expect.get(entity_id, 0)
-        if fresh or expected <= 0:
-            return None
-        if bucket is None:
-            bucket = self.placer.entity_bucket(entity, entity_id)
-        topology = self.router.topology
-        by_bucket = topology.backend_by_bucket
-        backend = by_bucket[bucket] if by_bucket else topology.backend_of(bucket)
-        return entity_id if self.update_row(backend, entity_id, bucket, body, expected) else None
-
-    def update_row(
-        self, backend: Backend, entity_id: bytes, bucket: int | None, body: bytes, expected: int
-    ) -> bool:
-        """Write the encoded ``body`` of an existing entity whose write is its
-        row alone (see :meth:`alone`) if its version is still ``expected``:
-        one ``UPDATE ... WHERE version = expected`` on ``backend``, fenced by
-        the row's bucket (``bucket``, the id's: None only where the backend's
-        dialect ``fences_by_row``).  If
-        it changed nothing, the row is read: at another version, that is the
-        ``Conflict``; else (no row, or a bucket not owned) False, and the
-        whole write path finds out why.  (A copy left on a shard that let the
-        bucket go takes no write, so its version is still the one expected:
-        it never passes for a conflict.)  An :class:`EntityRow` is made only
-        for a cache level to tell."""
-        updated = time.time_ns() // 1000
-        testing.hit("put.before_entity")
-        version = backend.update_row_if(
-            self.kind, entity_id, bucket, updated, body, expected, moves=False
-        )
-        if not version:
-            found = backend.read_bodies(self.kind, [entity_id], stamps=True)
-            if found and int(found[0][2]) != expected:
-                raise conflict({entity_id: int(found[0][2])}, [], "put")
-            return False
-        testing.hit("put.after_entity")
-        cache = self.cache
-        if not cache.idle():
-            if bucket is None:
-                bucket = bucket_of(entity_id, self.buckets)
-            row = EntityRow(entity_id, bucket, updated, body)
-            cache.puts_committed([row], {entity_id: version}, self.fetch_many)
-        return True
-
     def _beside(self, bucket: int, other: int) -> bool:
         """Whether two buckets are on one shard (by this process's placement)."""
         shard_of = self.router.topology.shard_of_bucket
@@ -595,17 +510,3 @@ class Writes:
         for part in self.router.by_bucket(located, lambda item: item[1], work):
             found.update(part)
         return found
-
-
-def conflict(refused: Mapping[bytes, int], written: list[bytes], what: str) -> Conflict:
-    """The ``Conflict`` of a conditional write refused for ``refused``."""
-    first = min(refused)
-    more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-    return Conflict(
-        f"conditional {what} refused: entity {first.hex()} is at version {refused[first]}"
-        f"{' (absent)' if refused[first] == 0 else ''}{more}; {len(written)} written",
-        id=first,
-        found=refused[first],
-        refused=dict(refused),
-        written=written,
-    )
