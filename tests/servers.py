@@ -588,6 +588,7 @@ def _mariadb_template(install_db: str, os_user: str, options: tuple[str, ...]) -
             return _templates[key]
         parent = Path(tempfile.mkdtemp(prefix=f"bst-mariadb-template-{os.getpid()}-"))
         datadir = parent / "data"
+        (parent / "tmp").mkdir()
         cmd = [
             install_db,
             "--no-defaults",  # must come first; ignores /etc/mysql/my.cnf (user=mysql, ...)
@@ -596,6 +597,9 @@ def _mariadb_template(install_db: str, os_user: str, options: tuple[str, ...]) -
             "--auth-root-authentication-method=normal",  # root@localhost, 127.0.0.1: no password
             "--skip-test-db",
             "--skip-name-resolve",
+            # Its own temporary tables: another bootstrap's or server's in /tmp
+            # once made one fail ("Could not remove temporary table").
+            f"--tmpdir={parent / 'tmp'}",
             *options,
         ]
         result = subprocess.run(
