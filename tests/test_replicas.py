@@ -20,6 +20,7 @@ from tests.replication import (
     REPL_PASSWORD,
     REPL_USER,
     ReplicationGroup,
+    connect_as_app,
     paused,
     started_group,
 )
@@ -463,6 +464,57 @@ def test_a_switchover_to_a_replica_that_lags_is_abandoned(group: ReplicationGrou
         assert ds.put({"n": 4}) and other.get(entity_id)["n"] == 3
         assert other.router.backends[0].server == group.primary.addr
         assert ds.router.backends[0].server == group.primary.addr
+
+
+def test_a_write_in_the_way_of_read_only_is_closed_not_waited_for(
+    group: ReplicationGroup, db: str
+) -> None:
+    """``read_only=ON`` waits for every write statement under way; one that
+    takes long (here a sleeping INSERT of the application's login, standing
+    for a write stuck in its commit) has its connection closed after
+    READ_ONLY_WAIT, and the switchover goes on."""
+    from bagstore.backends import replication
+
+    with _open(group, db) as ds:
+        ds.put({"n": 1})
+    group.sync()
+    blocker = connect_as_app(group.primary, db)
+    outcome: list[BaseException | None] = []
+
+    def stuck_write() -> None:
+        try:
+            with blocker.cursor() as cur:
+                cur.execute("CREATE TABLE IF NOT EXISTS slow (n INT) ENGINE=InnoDB")
+                cur.execute("INSERT INTO slow SELECT SLEEP(60)")
+            outcome.append(None)
+        except Exception as exc:  # the connection is closed under it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=stuck_write, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not group.primary.one(
+        "SELECT COUNT(*) FROM information_schema.processlist WHERE info LIKE 'INSERT INTO slow%%'"
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    old, target = group.primary.addr, group.replicas[0].addr
+    options = {"replication_user": REPL_USER, "replication_password": REPL_PASSWORD}
+    with _open(group, db) as ds:
+        started = time.monotonic()
+        try:
+            done = ds.failover(0, to=target, **options)
+            took = time.monotonic() - started
+            assert done["primary"] == target
+            # waited READ_ONLY_WAIT once, not the statement's 60 s
+            assert replication.READ_ONLY_WAIT <= took < 30
+            thread.join(10)
+            assert outcome and outcome[0] is not None  # its connection was closed
+            assert group.primary.one("SELECT @@read_only")
+        finally:
+            ds.failover(0, to=old, **options)
+    blocker.close()
+    assert not group.primary.one("SELECT @@read_only")
 
 
 def test_replication_commands_refuse_bad_input(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ application's own login should have none (docs/replication.md).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +38,19 @@ __all__ = [
     "show_slave_status",
 ]
 
+log = logging.getLogger(__name__)
+
 _NO_TABLE = 1146
 _NO_DATABASE = 1049
+_LOCK_WAIT_TIMEOUT = 1205
+#: How long ``SET GLOBAL read_only = ON`` may wait for the server's global
+#: read lock (seconds) before the client connections in its way are closed,
+#: and how many times it is tried.  The lock waits for every statement that
+#: writes and every commit under way; a commit inside a stored routine (a
+#: one-entity put) can wait on the lock's request in turn, a wait MariaDB's
+#: deadlock detector does not see, so without a bound a switchover can hang.
+READ_ONLY_WAIT = 2
+READ_ONLY_TRIES = 5
 _ROLE_TABLE = (
     "CREATE TABLE IF NOT EXISTS bagstore_role (one INT NOT NULL PRIMARY KEY, "
     "epoch BIGINT NOT NULL, servers TEXT NOT NULL) ENGINE=InnoDB"
@@ -259,12 +271,43 @@ class Servers:
         role row written (it replicates to every replica, the target first
         among them), every client connection but replication's killed; the
         position the target must reach."""
-        self._run(
-            address,
-            [("SET GLOBAL read_only = ON", ()), (_ROLE_TABLE, ()), *self._role_write(role)],
-        )
+        self.read_only(address, [(_ROLE_TABLE, ()), *self._role_write(role)])
         self.kill_clients(address)
         return self.binlog_pos(address)
+
+    def read_only(self, address: str, then: Sequence[tuple[str, Sequence[Any]]] = ()) -> list[Any]:
+        """``read_only=ON`` on ``address``, then the statements ``then`` on the
+        same connection (their last one's rows).  The global read lock it takes
+        is waited for at most :data:`READ_ONLY_WAIT` seconds; then every client
+        connection is closed (their transactions roll back; a write whose
+        connection dropped is run again, which finds the new primary) and it
+        is tried again, :data:`READ_ONLY_TRIES` times in all."""
+        statements = [
+            ("SET SESSION lock_wait_timeout = %s", (READ_ONLY_WAIT,)),
+            ("SET GLOBAL read_only = ON", ()),
+            ("SET SESSION lock_wait_timeout = DEFAULT", ()),
+            *then,
+        ]
+        for attempt in range(1, READ_ONLY_TRIES + 1):
+            try:
+                return self._run(address, statements)
+            except BackendError as exc:
+                if self.backend._code(exc.__cause__) != _LOCK_WAIT_TIMEOUT:
+                    raise
+                if attempt == READ_ONLY_TRIES:
+                    raise BackendError(
+                        f"{address}: read_only could not be set: its global read lock "
+                        f"waited {READ_ONLY_WAIT} s {READ_ONLY_TRIES} times, with the "
+                        "client connections closed between the tries (a statement of "
+                        "another administrator's login? see information_schema.processlist)"
+                    ) from exc
+            closed = self.kill_clients(address)
+            log.warning(
+                "%s: read_only waited %d s for the global read lock (a write or commit "
+                "under way); %d client connection(s) closed, trying again",
+                address, READ_ONLY_WAIT, closed,
+            )  # fmt: skip
+        raise AssertionError("unreachable")
 
     def fence_database(self, address: str, role: Role) -> str:
         """The same for one database of a server that stays writable for
@@ -327,10 +370,7 @@ class Servers:
         """Make ``address`` a read-only replica of ``primary`` (GTID, from its
         slave position; an old primary's own transactions count as applied)."""
         host, _, port = primary.rpartition(":")
-        statements: list[tuple[str, Sequence[Any]]] = [
-            ("SET GLOBAL read_only = ON", ()),
-            ("STOP SLAVE", ()),
-        ]
+        statements: list[tuple[str, Sequence[Any]]] = [("STOP SLAVE", ())]
         if was_primary:
             statements.append(("SET GLOBAL gtid_slave_pos = @@gtid_binlog_pos", ()))
         statements += [
@@ -341,7 +381,7 @@ class Servers:
             ),
             ("START SLAVE", ()),
         ]
-        self._run(address, statements)
+        self.read_only(address, statements)
 
     def write_role(self, address: str, role: Role) -> None:
         self._run(address, [(_ROLE_TABLE, ()), *self._role_write(role)])
