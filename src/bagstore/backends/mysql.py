@@ -1,5 +1,6 @@
 """MariaDB / MySQL through PyMySQL (default) or mysqlclient (the statement
-text, :class:`MySQLDialect`, is in ``mysqlsql.py``).
+text, :class:`MySQLDialect`, is in ``mysqlsql.py``; a put of one entity
+calls a stored procedure: ``mysqlproc.py``).
 
 Driver quirks live here: every session runs with ``time_zone='+00:00'`` and a
 strict ``sql_mode``; bytes go over the wire with the ``_binary`` prefix; the
@@ -41,6 +42,7 @@ from typing import Any
 
 from bagstore.backends.base import Backend, check_identifier
 from bagstore.backends.gtid import Gtids, tracking_connection
+from bagstore.backends.mysqlproc import ProcedurePuts
 from bagstore.backends.mysqlsql import MySQLDialect
 from bagstore.backends.pipeline import MULTI_STATEMENTS, Pipeline
 from bagstore.backends.pool import Pool, in_long_statements
@@ -102,7 +104,7 @@ def _load_driver(name: str) -> Any:
         ) from exc
 
 
-class MySQLBackend(Backend):
+class MySQLBackend(ProcedurePuts, Backend):
     """One MariaDB/MySQL database (a schema) on one server."""
 
     dialect = MySQLDialect()
@@ -170,6 +172,7 @@ class MySQLBackend(Backend):
             self._tracking_class = tracking_connection(self._driver)
         self._pool: Pool[Any] = self._new_pool()
         self._limits_known = False
+        self._compound_kinds: set[str] = set()  # puts without a procedure: mysqlproc.py
 
     def _columns(self, table: str) -> dict[str, int]:
         """``{column name: protocol type code}`` of ``table`` here (empty if

@@ -8,14 +8,15 @@ connections, their timeouts and the driver quirks are in ``mysql.py``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import ClassVar
 
-from bagstore.backends.base import Dialect
+from bagstore.backends.base import Dialect, check_identifier
 from bagstore.backends.entitysql import NOT_OWNED
 from bagstore.backends.seqsql import MySQLSequenceSQL, SequenceSQL
 
-__all__ = ["MySQLDialect"]
+__all__ = ["PUT_PROCEDURE_VERSION", "MySQLDialect", "put_procedure_name"]
 
 #: The ``added_id:updated:id`` text of ``Backend.stamps_text``, built by the server.
 _STAMPS = (
@@ -159,20 +160,67 @@ class MySQLDialect(Dialect):
         # zone is UTC, see INIT_COMMAND) and the upsert, in one round trip.
         # The version comes back only if asked for (a result set costs the
         # driver more than the rest of the statement's answer), and a bucket
-        # not owned here is signalled (NOT_OWNED).
+        # not owned here is signalled (NOT_OWNED).  The same work as a stored
+        # procedure costs the server less: see put_procedure_sql.
+        names = ("%(id)s", "%(bucket)s", "%(updated)s", "%(body)s")
+        select = "SELECT v; " if returning else ""
+        return f"BEGIN NOT ATOMIC {self._put_one_body(kind, names, select)}"
+
+    def _put_one_body(self, kind: str, names: Sequence[str], select: str) -> str:
+        """The statements of :meth:`put_one_sql` (after its ``BEGIN``), the
+        values spelled ``names`` (id, bucket, updated, body); ``select``: what
+        returns the version ``v`` after the commit ('': nothing)."""
         t = self.q(kind)
+        i, b, u, body = names
         return (
-            "BEGIN NOT ATOMIC DECLARE v BIGINT DEFAULT NULL; DECLARE st INT DEFAULT NULL; "
+            "DECLARE v BIGINT DEFAULT NULL; DECLARE st INT DEFAULT NULL; "
             "START TRANSACTION; "
-            f"SELECT state INTO st FROM bagstore_owned WHERE bucket = %(bucket)s{self.share_lock}; "
-            f"IF st = 0 THEN SELECT version INTO v FROM {t} WHERE id = %(id)s{self.for_update}; "
+            f"SELECT state INTO st FROM bagstore_owned WHERE bucket = {b}{self.share_lock}; "
+            f"IF st = 0 THEN SELECT version INTO v FROM {t} WHERE id = {i}{self.for_update}; "
             "SET v = GREATEST(IFNULL(v + 1, 0), "
             "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED)); "
             f"INSERT INTO {t} (id, bucket, updated, version, body) "
-            "VALUES (%(id)s, %(bucket)s, %(updated)s, v, %(body)s) "
+            f"VALUES ({i}, {b}, {u}, v, {body}) "
             "ON DUPLICATE KEY UPDATE bucket = VALUES(bucket), updated = VALUES(updated), "
-            "version = VALUES(version), body = VALUES(body); COMMIT; "
-            f"{'SELECT v; ' if returning else ''}"
+            f"version = VALUES(version), body = VALUES(body); COMMIT; {select}"
             f"ELSE ROLLBACK; SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = '{NOT_OWNED}'; "
             "END IF; END"
         )
+
+    def put_procedure_sql(self, kind: str) -> str:
+        """``CREATE PROCEDURE`` of :meth:`put_one_sql`'s work as a stored
+        procedure of the kind (backends/mysqlproc.py): ``(id, bucket, updated,
+        body, returning)``, the version selected if ``returning``.  The server
+        parses and plans its statements once per connection, not at every
+        put.  ``SQL SECURITY INVOKER``: the caller's privileges, whoever
+        created it (no definer to outlive)."""
+        names = ("p_id", "p_bucket", "p_updated", "p_body")
+        check_identifier(kind, "kind")  # (named in the comment, a string literal)
+        return (
+            f"CREATE PROCEDURE IF NOT EXISTS {self.q(put_procedure_name(kind))} "
+            "(IN p_id BINARY(16), IN p_bucket INT, IN p_updated BIGINT, IN p_body LONGBLOB, "
+            "IN p_returning BOOLEAN) MODIFIES SQL DATA SQL SECURITY INVOKER "
+            f"COMMENT 'bagstore: the put of one entity of kind {kind} (made again if dropped)' "
+            f"BEGIN {self._put_one_body(kind, names, 'IF p_returning THEN SELECT v; END IF; ')}"
+        )
+
+    def put_call_sql(self, kind: str, returning: bool) -> str:
+        """The ``CALL`` of the kind's procedure (:meth:`put_procedure_sql`);
+        parameters: id, bucket, updated, body."""
+        return f"CALL {self.q(put_procedure_name(kind))}(%s, %s, %s, %s, {int(returning)})"
+
+
+#: The version of the put procedure's text: a change to it takes a new name,
+#: so that a store opened by a newer bagstore creates its own beside the old.
+PUT_PROCEDURE_VERSION = 1
+
+
+def put_procedure_name(kind: str) -> str:
+    """The name of ``kind``'s put procedure: a digest of the kind, as the
+    change feed's triggers are named (a kind may be 64 characters long).
+
+    >>> put_procedure_name("posts")
+    'bagstore_put_11ac81f3726ea4c7_1'
+    """
+    digest = hashlib.blake2b(kind.encode(), digest_size=8).hexdigest()
+    return f"bagstore_put_{digest}_{PUT_PROCEDURE_VERSION}"
