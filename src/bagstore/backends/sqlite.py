@@ -222,7 +222,9 @@ class SQLiteBackend(Backend):
         self._busy_ms = max(0, round(busy_timeout * 1000))
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
+        # Re-entrant: a spare's token hands its connection back (taking this lock)
+        # when freed, which the garbage collector may do while this thread holds it.
+        self._lock = threading.RLock()
         if path != ":memory:":
             # Files of one process can be read together (see the module's text),
             # each under a name derived from its path.
