@@ -1,7 +1,10 @@
 """SQLite: every shard a file, in WAL mode, shared safely by threads and processes.
 
 Each thread keeps its own connection to each shard file (SQLite connections are
-cheap and this costs nothing per operation); a write transaction starts with
+cheap and this costs nothing per operation), handed back when the thread ends
+for the next new thread to take (:mod:`bagstore.backends.spares`): not left
+open until the store closes, nor opened again by every short-lived thread
+(~0.4 ms of its first statement).  A write transaction starts with
 ``BEGIN IMMEDIATE`` so that concurrent writers queue for the write lock instead
 of failing to upgrade a read lock.  A writer that finds the file locked waits
 in SQLite's own busy handler (``PRAGMA busy_timeout``), which sleeps 1, 2, 5,
@@ -45,6 +48,8 @@ from typing import Any, ClassVar, TypeVar
 
 from bagstore.backends.base import Backend, Dialect
 from bagstore.backends.seqsql import SequenceSQL, SQLiteSequenceSQL
+from bagstore.backends.spares import Spares
+from bagstore.backends.sqlitelib import has_wal_reset_bug, sqlite_library, wal_reset_advice
 from bagstore.errors import (
     BackendError,
     ConfigurationError,
@@ -54,7 +59,13 @@ from bagstore.errors import (
 )
 from bagstore.versions import clock
 
-__all__ = ["SQLiteBackend", "SQLiteDialect", "has_wal_reset_bug", "wal_reset_advice"]
+__all__ = [
+    "SQLiteBackend",
+    "SQLiteDialect",
+    "has_wal_reset_bug",
+    "sqlite_library",
+    "wal_reset_advice",
+]
 
 T = TypeVar("T")
 
@@ -66,42 +77,6 @@ _SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
 #: Files one reading connection attaches at most (SQLite's default limit).
 _MAX_ATTACHED = 10
-
-
-def has_wal_reset_bug(version: str = sqlite3.sqlite_version) -> bool:
-    """Whether this SQLite library (``sqlite3.sqlite_version`` by default) has
-    the WAL-reset bug (https://www.sqlite.org/wal.html#walresetbug): a rare
-    race between connections checkpointing and writing one file that can
-    corrupt it.  Versions 3.7.0 to 3.51.2 have it, except the 3.44.6 and
-    3.50.7 patch releases.
-
-    >>> has_wal_reset_bug("3.40.1"), has_wal_reset_bug("3.51.3"), has_wal_reset_bug("3.44.6")
-    (True, False, False)
-    """
-    parts = tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
-    v = parts + (0,) * (3 - len(parts))
-    if v >= (3, 51, 3) or v < (3, 7, 0):
-        return False
-    return not ((3, 44, 6) <= v < (3, 45, 0) or (3, 50, 7) <= v < (3, 51, 0))
-
-
-def wal_reset_advice(version: tuple[int, ...] = sqlite3.sqlite_version_info) -> str | None:
-    """What to do about the WAL-reset bug, when SQLite ``version`` (this
-    process's library by default) has it; None when it does not.
-
-    >>> wal_reset_advice((3, 51, 3)) is None
-    True
-    """
-    text = ".".join(map(str, version))
-    if not has_wal_reset_bug(text):
-        return None
-    return (
-        f"this Python's SQLite library, {text}, has the WAL-reset bug (SQLite 3.7.0 to "
-        "3.51.2): rarely, a file written and checkpointed by several connections at once is "
-        "corrupted. Run bagstore on a Python whose sqlite3 module uses SQLite 3.51.3 or later "
-        "(or the 3.44.6 or 3.50.7 patch releases; check with python3 -c 'import sqlite3; "
-        "print(sqlite3.sqlite_version)'), or store on MariaDB; see docs/configuration.md"
-    )
 
 
 class SQLiteDialect(Dialect):
@@ -247,7 +222,9 @@ class SQLiteBackend(Backend):
         self._busy_ms = max(0, round(busy_timeout * 1000))
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
+        # Re-entrant: a spare's token hands its connection back (taking this lock)
+        # when freed, which the garbage collector may do while this thread holds it.
+        self._lock = threading.RLock()
         if path != ":memory:":
             # Files of one process can be read together (see the module's text),
             # each under a name derived from its path.
@@ -259,6 +236,15 @@ class SQLiteBackend(Backend):
             self.union_reads = False
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._readers = threading.local()  # this thread's connection for read_together
+        # The connections of threads that ended, for new threads (see spares.py;
+        # a private in-memory database goes with its thread).
+        self._spares: Spares[tuple[sqlite3.Connection, sqlite3.Cursor]] = Spares(
+            lambda item: path != ":memory:" and self._idle(item[0]),
+            lambda item: self._close(item[0]),
+        )
+        self._spare_readers: Spares[tuple[sqlite3.Connection, dict[str, str]]] = Spares(
+            lambda item: self._idle(item[0]), lambda item: self._close(item[0])
+        )
 
     # Reads in autocommit mode have nothing to roll back or retry: on the
     # thread's own idle connection they skip the generic ``run``, whose few
@@ -435,17 +421,12 @@ class SQLiteBackend(Backend):
         conn: sqlite3.Connection | None = getattr(local, "conn", None)
         try:
             if conn is None:
-                conn = sqlite3.connect(
-                    ":memory:",
-                    isolation_level=None,
-                    check_same_thread=False,
-                    uri=True,
-                    cached_statements=512,  # statements over several files vary more
-                )
-                conn.execute(f"PRAGMA busy_timeout={self._busy_ms}")
-                with self._lock:
-                    self._all.append(conn)
-                local.conn, local.attached = conn, {}
+                spare = self._spare_readers.take()
+                if spare is None:
+                    spare = (self._reading_connection(), {})
+                conn, local.attached = spare
+                local.conn = conn
+                local.token = self._spare_readers.token(spare)
             attached: dict[str, str] = local.attached
             for b in reach:
                 if b.schema not in attached:
@@ -468,9 +449,23 @@ class SQLiteBackend(Backend):
                         raise
         except sqlite3.Error as exc:
             if conn is not None and isinstance(self.translated(exc), ShardUnavailable):
-                local.conn = None
+                local.token.disarm()
+                local.conn = local.token = None
                 self._close(conn)
             raise self.translated(exc) from exc
+
+    def _reading_connection(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            ":memory:",
+            isolation_level=None,
+            check_same_thread=False,
+            uri=True,
+            cached_statements=512,  # statements over several files vary more
+        )
+        conn.execute(f"PRAGMA busy_timeout={self._busy_ms}")
+        with self._lock:
+            self._all.append(conn)
+        return conn
 
     def _attach(
         self, conn: sqlite3.Connection, attached: dict[str, str], reach: Sequence[Backend]
@@ -519,13 +514,19 @@ class SQLiteBackend(Backend):
     # statements outside units of work (get_body's, execute's) and for the
     # transactions of ``write``, which is ``local.cur`` while the connection
     # is idle and None while a unit of work (or a write) holds it: the
-    # statements' one test of the thread's state.
+    # statements' one test of the thread's state.  ``local.token`` hands both
+    # back when the thread ends (a spare taken by the next new thread).
     def _acquire(self) -> Any:
         local = self._local
         conn: sqlite3.Connection | None = getattr(local, "conn", None)
         if conn is None:
-            conn = local.conn = self._connect()
-            local.kept = conn.cursor()
+            spare = self._spares.take()
+            if spare is None:
+                new = self._connect()
+                spare = (new, new.cursor())
+            conn, local.kept = spare
+            local.conn = conn
+            local.token = self._spares.token(spare)
         elif local.cur is None:  # re-entered on the same thread: a private connection
             return self._connect()
         local.cur = None  # in a unit of work
@@ -541,8 +542,15 @@ class SQLiteBackend(Backend):
     def _discard(self, conn: Any) -> None:
         local = self._local
         if conn is getattr(local, "conn", None):
-            local.conn = local.cur = local.kept = None
+            local.token.disarm()
+            local.conn = local.cur = local.kept = local.token = None
         self._close(conn)
+
+    def _idle(self, conn: sqlite3.Connection) -> bool:
+        """Whether a connection handed back at the end of its thread may serve
+        another: still open (not closed with the store) and in no transaction."""
+        with self._lock:
+            return conn in self._all and not conn.in_transaction
 
     def _close(self, conn: sqlite3.Connection) -> None:
         with self._lock:
@@ -555,6 +563,8 @@ class SQLiteBackend(Backend):
             conns, self._all = self._all, []
         for conn in conns:
             conn.close()
+        self._spares.clear()
+        self._spare_readers.clear()
         self._local = threading.local()
         self._readers = threading.local()
 
@@ -581,9 +591,3 @@ def _is_busy(exc: BaseException | None) -> bool:
 def _fetch(conn: sqlite3.Connection, sql: str, params: Sequence[Any], one: bool) -> Any:
     cur = conn.execute(sql, params)
     return cur.fetchone() if one else cur.fetchall()
-
-
-def sqlite_library() -> dict[str, Any]:
-    """The SQLite library this process uses, and whether it has the WAL-reset
-    bug (see docs/configuration.md)."""
-    return {"version": sqlite3.sqlite_version, "wal_reset_bug": has_wal_reset_bug()}
