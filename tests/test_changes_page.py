@@ -44,6 +44,25 @@ def test_entity_is_what_was_written_and_decoded_when_read(topo: Topology) -> Non
     assert "op='put'" in text and "bytes>" in text and "tags" not in text
 
 
+def test_a_change_is_its_row_and_its_class_holds_the_kind(topo: Topology) -> None:
+    """A Change is the change row as read, seven values (the kind is not one
+    of them: each kind's changes are of a Change subclass of its own, made
+    once, that holds it), so a page copies each row once."""
+    ds = topo.open(buckets=4)
+    other = topo.open(buckets=4, kind="other_kind")
+    for store in (ds, other):
+        store.feed.enable(bodies=True)
+        store.put_many([{"n": i} for i in range(3)])
+    mine, theirs = ds.changes(), other.changes()
+    assert len(mine) == len(theirs) == 3
+    for page, kind in ((mine, ds.kind), (theirs, "other_kind")):
+        assert {type(c) for c in page} == {type(page[0])} and isinstance(page[0], Change)
+        assert all(c.kind == kind and len(c) == 7 for c in page)
+        assert all(tuple(c)[:2] == (c.bucket, c.position) and c[2] == c.id for c in page)
+    assert type(mine[0]) is not type(theirs[0]) and type(ds.changes()[0]) is type(mine[0])
+    assert f"kind={ds.kind!r}" in repr(mine[0])
+
+
 def test_a_damaged_body_raises_when_read_naming_the_change(topo: Topology) -> None:
     ds = topo.open(buckets=4)
     ds.feed.enable(bodies=True)
