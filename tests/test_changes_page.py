@@ -175,15 +175,15 @@ def test_session_pages_are_the_plain_merge(monotone: bool) -> None:
 
 def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end() -> None:
     """After a bucket's first read, its next one takes all the rest when that
-    is at most ``most`` rows, rather than four times the first and another
-    range for what is left (a range costs more than its rows): 64 buckets of
-    18 changes, pages of 64, are read in two ranges a bucket, and the pages
+    is at most twice ``most`` rows, rather than four times the first and more
+    ranges for what is left (a range costs more than its rows): 64 buckets of
+    30 changes, pages of 64, are read in two ranges a bucket, and the pages
     are still the plain merge."""
-    streams = {b: [(b, i + 1, b"id", 0, 1, i * 64 + b, None) for i in range(18)] for b in range(64)}
+    streams = {b: [(b, i + 1, b"id", 0, 1, i * 64 + b, None) for i in range(30)] for b in range(64)}
     asked: dict[int, int] = {}
 
     def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
-        return {b: (18, 0, 0) for b in streams if wanted is None or b in wanted}
+        return {b: (30, 0, 0) for b in streams if wanted is None or b in wanted}
 
     def read(by_shard: dict[int, list[tuple[int, int, int]]]) -> list[tuple[Any, ...]]:
         for b, _, _ in by_shard[0]:
@@ -197,7 +197,7 @@ def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end() -> None:
     got: list[tuple[Any, ...]] = []
     while page := feedread.next_rows(session, 64, 16, holders, read, pruned):
         got += page
-    assert got == _reference(streams, set(), len(got) + 1) and len(got) == 64 * 18
+    assert got == _reference(streams, set(), len(got) + 1) and len(got) == 64 * 30
     assert set(asked.values()) == {2}
 
 
