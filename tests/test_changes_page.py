@@ -44,6 +44,25 @@ def test_entity_is_what_was_written_and_decoded_when_read(topo: Topology) -> Non
     assert "op='put'" in text and "bytes>" in text and "tags" not in text
 
 
+def test_a_change_is_its_row_and_its_class_holds_the_kind(topo: Topology) -> None:
+    """A Change is the change row as read, seven values (the kind is not one
+    of them: each kind's changes are of a Change subclass of its own, made
+    once, that holds it), so a page copies each row once."""
+    ds = topo.open(buckets=4)
+    other = topo.open(buckets=4, kind="other_kind")
+    for store in (ds, other):
+        store.feed.enable(bodies=True)
+        store.put_many([{"n": i} for i in range(3)])
+    mine, theirs = ds.changes(), other.changes()
+    assert len(mine) == len(theirs) == 3
+    for page, kind in ((mine, ds.kind), (theirs, "other_kind")):
+        assert {type(c) for c in page} == {type(page[0])} and isinstance(page[0], Change)
+        assert all(c.kind == kind and len(c) == 7 for c in page)
+        assert all(tuple(c)[:2] == (c.bucket, c.position) and c[2] == c.id for c in page)
+    assert type(mine[0]) is not type(theirs[0]) and type(ds.changes()[0]) is type(mine[0])
+    assert f"kind={ds.kind!r}" in repr(mine[0])
+
+
 def test_a_damaged_body_raises_when_read_naming_the_change(topo: Topology) -> None:
     ds = topo.open(buckets=4)
     ds.feed.enable(bodies=True)
@@ -152,6 +171,34 @@ def test_session_pages_are_the_plain_merge(monotone: bool) -> None:
             assert all(n == limit for n in sizes[:-2]), sizes  # full while rows are left
         for b, rows in streams.items():
             assert [r for r in got if r[0] == b] == rows  # every row, once, in order
+
+
+def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end() -> None:
+    """After a bucket's first read, its next one takes all the rest when that
+    is at most twice ``most`` rows, rather than four times the first and more
+    ranges for what is left (a range costs more than its rows): 64 buckets of
+    30 changes, pages of 64, are read in two ranges a bucket, and the pages
+    are still the plain merge."""
+    streams = {b: [(b, i + 1, b"id", 0, 1, i * 64 + b, None) for i in range(30)] for b in range(64)}
+    asked: dict[int, int] = {}
+
+    def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
+        return {b: (30, 0, 0) for b in streams if wanted is None or b in wanted}
+
+    def read(by_shard: dict[int, list[tuple[int, int, int]]]) -> list[tuple[Any, ...]]:
+        for b, _, _ in by_shard[0]:
+            asked[b] = asked.get(b, 0) + 1
+        return [r for b, lo, hi in by_shard[0] for r in streams[b][lo - 1 : hi]]
+
+    def pruned(bucket: int, at: int, low: int) -> None:
+        raise AssertionError("nothing is pruned here")
+
+    session = feedread.start(None, {}, False, 0, holders, pruned)
+    got: list[tuple[Any, ...]] = []
+    while page := feedread.next_rows(session, 64, 16, holders, read, pruned):
+        got += page
+    assert got == _reference(streams, set(), len(got) + 1) and len(got) == 64 * 30
+    assert set(asked.values()) == {2}
 
 
 def test_pages_at_the_default_bucket_count_resume_anywhere(topo: Topology) -> None:

@@ -290,7 +290,8 @@ def rows_per_range(backend: Backend) -> int:
     it is asked for longer ones; on SQLite a range costs ~8k instructions
     beyond its rows (the search, the Python around it), half a row's
     reading: 16 rows keep that to ~1/16 of a row's cost while holding at most
-    16 rows a bucket waiting in memory."""
+    16 rows a bucket waiting in memory (twice that when a bucket's whole
+    rest is read in one range, see :func:`bagstore.feedread._fill`)."""
     return 32 if _mysql(backend.dialect) else 16
 
 
