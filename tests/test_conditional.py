@@ -4,6 +4,7 @@ claims, cache)."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterator
 from contextlib import closing
@@ -279,6 +280,7 @@ def test_bad_conditional_input_is_refused_and_changes_nothing(
 
 def _counter(urls: list[str], entity_id: bytes, n: int) -> Any:
     code = f"""
+        import json
         import bagstore
         ds = bagstore.Datastore({urls!r})
         calls = 0
@@ -286,10 +288,9 @@ def _counter(urls: list[str], entity_id: bytes, n: int) -> Any:
             global calls
             calls += 1
             return {{**e, "n": e["n"] + 1}}
-        for _ in range({n}):
-            ds.update({entity_id!r}, bump, retries=1000)
+        stored = [ds.update({entity_id!r}, bump, retries=1000)["n"] for _ in range({n})]
         ds.close()
-        print(calls - {n})
+        print(json.dumps({{"retried": calls - {n}, "stored": stored}}))
     """
     return servers.spawn_python(code)
 
@@ -298,13 +299,16 @@ def test_two_processes_update_one_counter(topo: Topology) -> None:
     ds = topo.open()
     entity_id = ds.put({"n": 0})
     children = [_counter(topo.urls, entity_id, 500) for _ in range(2)]
-    conflicts = 0
+    conflicts, stored = 0, []
     for child in children:
         out, err = child.communicate(timeout=300)
         assert child.returncode == 0, err
-        conflicts += int(out.strip())
+        report = json.loads(out)
+        conflicts += report["retried"]
+        stored += report["stored"]
     assert ds.get(entity_id)["n"] == 1000  # type: ignore[index]
-    assert conflicts >= 0
+    # every update stored a count of its own: none was written over another
+    assert sorted(stored) == list(range(1, 1001))
     print(f"{topo.name}: 1000 updates by 2 processes, {conflicts} conflicts retried")
 
 
