@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import closing
 from typing import Any
@@ -278,11 +279,14 @@ def test_bad_conditional_input_is_refused_and_changes_nothing(
     assert store.count() == 1
 
 
-def _counter(urls: list[str], entity_id: bytes, n: int) -> Any:
+def _counter(urls: list[str], entity_id: bytes, n: int, start: float) -> Any:
     code = f"""
         import json
+        import time
         import bagstore
         ds = bagstore.Datastore({urls!r})
+        ds.get({entity_id!r})
+        time.sleep(max(0.0, {start!r} - time.time()))  # both at once (500 updates take ~20 ms)
         calls = 0
         def bump(e):
             global calls
@@ -298,7 +302,8 @@ def _counter(urls: list[str], entity_id: bytes, n: int) -> Any:
 def test_two_processes_update_one_counter(topo: Topology) -> None:
     ds = topo.open()
     entity_id = ds.put({"n": 0})
-    children = [_counter(topo.urls, entity_id, 500) for _ in range(2)]
+    start = time.time() + 2  # after both processes have started
+    children = [_counter(topo.urls, entity_id, 500, start) for _ in range(2)]
     conflicts, stored = 0, []
     for child in children:
         out, err = child.communicate(timeout=300)
