@@ -297,26 +297,40 @@ class EntityOps:
         sql = self.sql("put_one_sql", kind, versions is not None)
         if sql is None:
             return False
-
         blob = self.blob
         params = {"id": blob(row.id), "bucket": row.bucket, "updated": row.updated,
                   "body": blob(row.body)}  # fmt: skip
+        return self._put_answered(row, self.run(self._send_put, sql, params), versions)
 
-        def work(conn: Any) -> Any:
-            cur = conn.cursor()
+    def _send_put(
+        self,
+        conn: Any,
+        sql: str,
+        params: Any,
+        refusal: Callable[[BaseException], Any] | None = None,
+    ) -> Any:
+        """One statement putting one entity: the version's row (``()`` if
+        none is selected), None if the bucket is not owned here; the driver's
+        other errors raised, or answered by ``refusal(error)`` if given."""
+        cur = conn.cursor()
+        try:
             try:
-                try:
-                    cur.execute(sql, params)
-                except self.driver_errors as exc:
-                    if NOT_OWNED in str(exc):
-                        return None
+                cur.execute(sql, params)
+            except self.driver_errors as exc:
+                if NOT_OWNED in str(exc):
+                    return None
+                if refusal is None:
                     raise
-                return () if cur.description is None else cur.fetchone()
-            finally:
-                cur.close()
+                return refusal(exc)
+            return () if cur.description is None else cur.fetchone()
+        finally:
+            cur.close()
 
-        found = self.run(work)
-        if found is None:  # the bucket is not owned here (or is frozen)
+    def _put_answered(self, row: EntityRow, found: Any, versions: dict[bytes, int] | None) -> bool:
+        """What :meth:`_send_put`'s answer ``found`` says: True (the row's new
+        version noted in ``versions``), or False if the bucket is not owned
+        here (``check_owned`` raises if it is frozen or elsewhere)."""
+        if found is None:
             self.check_owned([row.bucket])
             return False
         if versions is not None:

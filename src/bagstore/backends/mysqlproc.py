@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from bagstore.backends.entities import NOT_OWNED, EntityOps, EntityRow
+from bagstore.backends.entities import EntityOps, EntityRow
 
 __all__ = ["ProcedurePuts"]
 
@@ -71,9 +71,9 @@ class ProcedurePuts(EntityOps):
         key = ("put_call_sql", kind, versions is not None)
         sql = self._sql_memo.get(key) or self.sql(*key)
         params = (row.id, row.bucket, row.updated, row.body)
-        found = self.run(self._call_put, sql, params)
+        found = self.run(self._send_put, sql, params, self._refusal)
         if found is _MISSING and self._create_put_procedure(kind):
-            found = self.run(self._call_put, sql, params)
+            found = self.run(self._send_put, sql, params, self._refusal)
         if found is _MISSING or found is _REFUSED:
             log.warning(
                 "shard %s: kind %s is put without its stored procedure (%s); "
@@ -84,32 +84,18 @@ class ProcedurePuts(EntityOps):
             )
             self._compound_kinds.add(kind)
             return super()._put_one(kind, row, versions)
-        if found is None:  # the bucket is not owned here (or is frozen)
-            self.check_owned([row.bucket])
-            return False
-        if versions is not None:
-            versions[row.id] = int(found[0])
-        return True
+        return self._put_answered(row, found, versions)
 
-    def _call_put(self, conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
-        """One ``CALL``: the version's row (``()`` if not asked for), None if
-        the bucket is not owned here, ``_MISSING`` or ``_REFUSED``."""
-        cur = conn.cursor()
-        try:
-            try:
-                cur.execute(sql, params)
-            except self.driver_errors as exc:
-                if NOT_OWNED in str(exc):
-                    return None
-                code = self._code(exc)
-                if code == _NO_PROCEDURE:
-                    return _MISSING
-                if code in _DENIED:
-                    return _REFUSED
-                raise
-            return () if cur.description is None else cur.fetchone()
-        finally:
-            cur.close()  # (reads the CALL's last answer, its OK packet)
+    def _refusal(self, exc: BaseException) -> Any:
+        """A ``CALL``'s error other than ``NOT_OWNED`` (see ``_send_put``):
+        ``_MISSING`` (no such procedure), ``_REFUSED`` (this login may not
+        run it), else raised."""
+        code = self._code(exc)
+        if code == _NO_PROCEDURE:
+            return _MISSING
+        if code in _DENIED:
+            return _REFUSED
+        raise exc
 
     def _create_put_procedure(self, kind: str) -> bool:
         """Create ``kind``'s put procedure here when missing; False if this
