@@ -160,7 +160,9 @@ class ShardTimeout(BackendError):
     outcome is unknown: **a write may or may not have been applied** (its
     commit may have reached the server).  bagstore never retries such a write
     by itself; read the entity back before writing it again.  A new connection
-    that timed out sent nothing.
+    that timed out sent nothing.  A conditional write (``expect_version``,
+    ``update``) whose connection was lost raises it too, for the same doubt
+    (docs/consistency.md).
     """
 
 

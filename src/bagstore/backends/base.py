@@ -37,7 +37,13 @@ from bagstore.backends.entities import (
 from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
 from bagstore.backends.pipeline import Pipeline, later
 from bagstore.backends.scansql import ScanOps
-from bagstore.errors import BackendError, BagstoreError, ConfigurationError, ShardUnavailable
+from bagstore.errors import (
+    BackendError,
+    BagstoreError,
+    ConfigurationError,
+    ShardTimeout,
+    ShardUnavailable,
+)
 
 __all__ = [
     "ENTITY_COLUMNS",
@@ -290,6 +296,12 @@ class Backend(EntityOps, BucketOps, IndexOps, ScanOps):
     def _tries(self, exc: BaseException, attempts: int) -> int:
         return max(attempts, self.deadlock_tries) if self.connection_survives(exc) else attempts
 
+    def outcome_unknown(self, exc: BaseException) -> bool:
+        """True if a statement failing with the retryable ``exc`` may have
+        been applied all the same: its connection was lost, and with it the
+        answer to a commit the server may have made."""
+        return False
+
     def connection_survives(self, exc: BaseException) -> bool:
         """True if a connection on which a retryable ``exc`` happened is
         still sound once rolled back (a deadlock victim's), so that it goes
@@ -326,12 +338,18 @@ class Backend(EntityOps, BucketOps, IndexOps, ScanOps):
         the retryable ``exc`` (0: at once)."""
         return 0.0
 
-    def run(self, work: Callable[..., T], *args: Any, attempts: int = 5) -> T:
+    def run(self, work: Callable[..., T], *args: Any, attempts: int = 5, replay: bool = True) -> T:
         """Run ``work(connection, *args)``; retry (on a fresh connection unless
         the old one survived, see :meth:`connection_survives`) when the failure
         was a dropped connection or a deadlock (``work`` must be idempotent,
         which every bagstore unit of work is: a transaction that did not
         commit, or a read).
+
+        ``replay=False``: ``work`` is a conditional write, which is not run
+        again after a lost connection (:meth:`outcome_unknown`): if its commit
+        was made, running it again would find its own new version and call
+        that a conflict.  It raises :class:`ShardTimeout` instead, the error
+        whose outcome is unknown; a deadlock victim is still run again.
 
         The same contract as :meth:`connection`, written out without context
         managers: this is every statement's path, and a point read on SQLite
@@ -349,6 +367,13 @@ class Backend(EntityOps, BucketOps, IndexOps, ScanOps):
             except BaseException as exc:
                 error = self._settle(conn, exc)
                 cause = error.__cause__
+                if not replay and cause is not None and self.outcome_unknown(cause):
+                    raise ShardTimeout(
+                        f"shard {self.name}: the connection was lost during a conditional "
+                        "write, which may or may not have been applied: read the entity "
+                        f"back before writing it again ({cause})",
+                        shard=self.name,
+                    ) from exc
                 if (
                     isinstance(error, BackendError)
                     and cause is not None
@@ -415,20 +440,21 @@ class Backend(EntityOps, BucketOps, IndexOps, ScanOps):
         finally:
             cur.close()
 
-    def write(self, work: Callable[..., T], *args: Any) -> T:
+    def write(self, work: Callable[..., T], *args: Any, replay: bool = True) -> T:
         """``work(cursor, *args)`` in one write transaction on this shard (see
-        :meth:`transaction`), run again as :meth:`run` runs its work; its
-        result.  (A backend may run it on a connection and cursor it keeps:
-        ``work`` uses the cursor only while it runs.)"""
-        result: T = self.run(self._transact, work, *args)
+        :meth:`transaction`), run again as :meth:`run` runs its work (``replay``
+        as for :meth:`run`); its result.  (A backend may run it on a connection
+        and cursor it keeps: ``work`` uses the cursor only while it runs.)"""
+        result: T = self.run(self._transact, work, *args, replay=replay)
         return result
 
     def _transact(self, conn: Any, work: Callable[..., T], *args: Any) -> T:
         with self.transaction(conn) as cur:
             return work(cur, *args)
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        """Run one statement in autocommit mode; return its row count."""
+    def execute(self, sql: str, params: Sequence[Any] = (), *, replay: bool = True) -> int:
+        """Run one statement in autocommit mode; return its row count
+        (``replay`` as for :meth:`run`)."""
 
         def work(conn: Any) -> int:
             cur = conn.cursor()
@@ -438,7 +464,7 @@ class Backend(EntityOps, BucketOps, IndexOps, ScanOps):
             finally:
                 cur.close()
 
-        return self.run(work)
+        return self.run(work, replay=replay)
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         def work(conn: Any) -> list[tuple[Any, ...]]:

@@ -76,13 +76,15 @@ class EntityOps:
 
         def sql(self, builder: str, *args: Any, **kwargs: Any) -> str: ...
 
-        def run(self, work: Callable[..., T], *args: Any, attempts: int = 3) -> T: ...
+        def run(
+            self, work: Callable[..., T], *args: Any, attempts: int = 3, replay: bool = True
+        ) -> T: ...
 
         def transaction(self, conn: Any) -> AbstractContextManager[Any]: ...
 
-        def write(self, work: Callable[..., T], *args: Any) -> T: ...
+        def write(self, work: Callable[..., T], *args: Any, replay: bool = True) -> T: ...
 
-        def execute(self, sql: str, params: Sequence[Any] = ()) -> int: ...
+        def execute(self, sql: str, params: Sequence[Any] = (), *, replay: bool = True) -> int: ...
 
         def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
 
@@ -229,8 +231,9 @@ class EntityOps:
             elif expect.get(one.id, 0) > 0 and self.update_if(kind, one, expect[one.id], versions):
                 return {}  # one statement did it (else: the transaction finds out why not)
         old, new = self.write(
-            self._write_rows, kind, rows, read_old, stamps, expect, carried, refused, within, fence
-        )
+            self._write_rows, kind, rows, read_old, stamps, expect, carried, refused, within, fence,
+            replay=not expect,  # (a conditional write is never run twice: Backend.run)
+        )  # fmt: skip
         if versions is not None and new is not None:
             versions.update(new)
         return old
@@ -389,7 +392,7 @@ class EntityOps:
         # (the memo of ``self.sql``, looked up without its call)
         key = ("conditional_update_sql", kind, moves)
         sql = self._sql_memo.get(key) or self.sql(*key)
-        return new if self.execute(sql, params) == 1 else 0
+        return new if self.execute(sql, params, replay=False) == 1 else 0
 
     def _locked_read(
         self,
@@ -489,7 +492,7 @@ class EntityOps:
 
         if not ids:
             return {}
-        return self.run(work)
+        return self.run(work, replay=not expect)
 
     def read_locked(
         self, kind: str, ids: Sequence[bytes], buckets: Sequence[int]

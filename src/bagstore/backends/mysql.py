@@ -572,6 +572,12 @@ class MySQLBackend(ProcedurePuts, Backend):
             return self.is_retryable(exc.__context__) if exc.__context__ is not None else False
         return code in _DEADLOCK or code in _LOST
 
+    def outcome_unknown(self, exc: BaseException) -> bool:
+        code = self._code(exc)
+        if not code and isinstance(exc, self._driver.InterfaceError):
+            return self.outcome_unknown(exc.__context__) if exc.__context__ is not None else False
+        return code in _LOST and not _timed_out(exc)
+
 
 class _NotPrimary(ShardUnavailable):
     """A new connection found a server that is not (or no longer) the primary."""

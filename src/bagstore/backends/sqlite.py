@@ -291,7 +291,7 @@ class SQLiteBackend(Backend):
         rows: list[tuple[Any, ...]] = self._read(sql, params, one=False)
         return rows
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+    def execute(self, sql: str, params: Sequence[Any] = (), *, replay: bool = True) -> int:
         """One statement in autocommit mode, its row count: on the thread's
         idle connection, through its kept cursor, as reads go (the generic
         path's unit of work, a cursor made and closed, were a fifth of a
@@ -302,20 +302,20 @@ class SQLiteBackend(Backend):
         local = self._local
         cur: sqlite3.Cursor | None = getattr(local, "cur", None)
         if cur is None:  # first use, or inside a unit of work
-            return super().execute(sql, params)
+            return super().execute(sql, params, replay=replay)
         try:
             return cur.execute(sql, params).rowcount
         except sqlite3.Error as exc:
             if _is_busy(exc):
                 if self._waited(exc):
                     raise self._locked_error() from exc
-                return super().execute(sql, params)
+                return super().execute(sql, params, replay=replay)
             error = self.translated(exc)
             if isinstance(error, ShardUnavailable):
                 self._discard(local.conn)
             raise error from exc
 
-    def write(self, work: Callable[..., T], *args: Any) -> T:
+    def write(self, work: Callable[..., T], *args: Any, replay: bool = True) -> T:
         """:meth:`Backend.write` on the thread's idle connection, through its
         kept cursor: ``BEGIN IMMEDIATE``, ``work(cursor, *args)``, ``COMMIT``,
         with none of the generic path's unit of work (a cursor made and
@@ -323,11 +323,11 @@ class SQLiteBackend(Backend):
         fifth of a one-entity put's Python).  A failure rolls back as
         :meth:`run` does; a ``SQLITE_BUSY`` that SQLite's busy handler did not
         cover runs the work again by the generic path, which waits and tries
-        again."""
+        again.  (``replay``: nothing to do; a file has no connection to lose.)"""
         local = self._local
         cur: sqlite3.Cursor | None = getattr(local, "cur", None)
         if cur is None:  # first use, or inside a unit of work
-            return super().write(work, *args)
+            return super().write(work, *args, replay=replay)
         local.cur = None  # in a unit of work
         try:
             cur.execute("BEGIN IMMEDIATE")
@@ -339,14 +339,14 @@ class SQLiteBackend(Backend):
                 if self._waited(exc):
                     raise self._locked_error() from exc
                 time.sleep(_BUSY_FIRST_WAIT)
-                return super().write(work, *args)
+                return super().write(work, *args, replay=replay)
             if error is exc:
                 raise
             raise error from exc
         local.cur = cur  # idle
         return result
 
-    def run(self, work: Callable[..., T], *args: Any, attempts: int = 5) -> T:
+    def run(self, work: Callable[..., T], *args: Any, attempts: int = 5, replay: bool = True) -> T:
         """:meth:`Backend.run`, run again after a ``SQLITE_BUSY`` that SQLite's
         busy handler does not cover (short waits, see the module's text), for
         ``busy_timeout`` seconds at most; one that it covered has waited that
@@ -355,7 +355,7 @@ class SQLiteBackend(Backend):
         wait = _BUSY_FIRST_WAIT
         while True:
             try:
-                return super().run(work, *args, attempts=attempts)
+                return super().run(work, *args, attempts=attempts, replay=replay)
             except ShardTimeout as exc:
                 if not _is_busy(exc.__cause__):
                     raise
