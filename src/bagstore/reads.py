@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from bagstore import codec
 from bagstore.backends import Backend, Stored
-from bagstore.backends.base import TOGETHER_MAX_IDS, read_bodies_together
 from bagstore.cache.request import _current as _current_request
 from bagstore.codec import decode
 from bagstore.errors import BackendError
@@ -45,6 +44,26 @@ T = TypeVar("T")
 
 #: ``read_from`` of the query running in this context (None: the datastore's).
 _read_from: ContextVar[str | None] = ContextVar("bagstore_read_from", default=None)
+
+
+#: At most this many ids go into one statement over several shards.
+TOGETHER_MAX_IDS = 2000
+
+
+def read_bodies_together(
+    kind: str, parts: Sequence[tuple[Backend, Sequence[bytes]]], *, stamps: bool
+) -> list[tuple[Any, ...]]:
+    """:meth:`Backend.read_bodies` of ids on several shards with one ``together``
+    key, in one statement on the first shard's connection (one round trip
+    instead of one per shard); each part reads only its own database."""
+    lead = parts[0][0]
+    selects: list[str] = []
+    params: list[Any] = []
+    for backend, ids in parts:
+        selects.append(lead.sql("select_bodies_sql", kind, len(ids), False, backend.schema, stamps))
+        params.extend(ids)
+    sql = lead.dialect.union_all_sql(selects)
+    return lead.read_together(sql, params, [backend for backend, _ in parts])
 
 
 @contextmanager

@@ -48,14 +48,12 @@ from bagstore.errors import (
 __all__ = [
     "ENTITY_COLUMNS",
     "IDENTIFIER",
-    "TOGETHER_MAX_IDS",
     "Backend",
     "Dialect",
     "EntityRow",
     "Stored",
     "Within",
     "check_identifier",
-    "read_bodies_together",
     "translate_errors",
 ]
 
@@ -231,7 +229,7 @@ class Backend(EntityOps, BucketOps, IndexOps, ScanOps):
         self.server = server
         #: Shards with the same (not None) ``together`` key are databases that one
         #: connection of any of them can read (same server, same login): their
-        #: reads can share one statement (see :func:`read_bodies_together`).
+        #: reads can share one statement (see :func:`bagstore.reads.read_bodies_together`).
         self.together: tuple[Any, ...] | None = None
         #: This shard's database name, qualifying its tables in such a statement.
         self.schema: str | None = None
@@ -585,25 +583,6 @@ class Backend(EntityOps, BucketOps, IndexOps, ScanOps):
 #: Fenced inserts of up to this many rows read each row's ownership row by key;
 #: larger ones join a derived table (see ``Dialect._fenced_select``).
 FENCED_ROWS_READ_BY_KEY = 16
-
-#: At most this many ids go into one statement over several shards.
-TOGETHER_MAX_IDS = 2000
-
-
-def read_bodies_together(
-    kind: str, parts: Sequence[tuple[Backend, Sequence[bytes]]], *, stamps: bool
-) -> list[tuple[Any, ...]]:
-    """:meth:`Backend.read_bodies` of ids on several shards with one ``together``
-    key, in one statement on the first shard's connection (one round trip
-    instead of one per shard); each part reads only its own database."""
-    lead = parts[0][0]
-    selects: list[str] = []
-    params: list[Any] = []
-    for backend, ids in parts:
-        selects.append(lead.sql("select_bodies_sql", kind, len(ids), False, backend.schema, stamps))
-        params.extend(ids)
-    sql = lead.dialect.union_all_sql(selects)
-    return lead.read_together(sql, params, [backend for backend, _ in parts])
 
 
 @contextmanager
