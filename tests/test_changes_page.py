@@ -61,6 +61,12 @@ def test_a_change_is_its_row_and_its_class_holds_the_kind(topo: Topology) -> Non
         assert all(tuple(c)[:2] == (c.bucket, c.position) and c[2] == c.id for c in page)
     assert type(mine[0]) is not type(theirs[0]) and type(ds.changes()[0]) is type(mine[0])
     assert f"kind={ds.kind!r}" in repr(mine[0])
+    # the kind is compared: the same row values of another kind are another change
+    twin = type(theirs[0])(tuple(mine[0]))
+    assert tuple(twin) == tuple(mine[0]) and twin != mine[0]
+    assert (twin == mine[0]) is False and (mine[0] == twin) is False
+    assert type(mine[0])(tuple(mine[0])) == mine[0] and len({twin, mine[0]}) == 2
+    assert mine[0] == tuple(mine[0])  # a plain tuple has no kind to differ by
 
 
 def test_a_damaged_body_raises_when_read_naming_the_change(topo: Topology) -> None:

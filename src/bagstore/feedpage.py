@@ -47,6 +47,18 @@ class Change(tuple[Any, ...]):
     #: the kind (set by each kind's subclass, see :func:`page_changes`)
     kind: str = ""
 
+    # The kind is part of what a change is: two kinds' changes with the same
+    # row values are not equal (their hashes may be; tuples' order ignores it).
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Change) and other.kind != self.kind:
+            return False
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
+
     @property
     def id(self) -> bytes:
         return self[2]  # type: ignore[no-any-return]
