@@ -274,3 +274,34 @@ def test_procedure_names_fit_whatever_the_kind() -> None:
     assert put_procedure_name(long_kind) != put_procedure_name("k" * 63)
     with pytest.raises(bagstore.ConfigurationError):
         mysqlsql.MySQLDialect().put_procedure_sql("x' OR '1")
+
+
+def test_a_login_without_super_uses_the_ownership_gate_another_made(
+    server: servers.MariaDBServer, db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Binary logging: a login without SUPER may not create triggers (1419).
+    It writes through the gate where another login made it (backends/gate.py),
+    and checks each bucket's row, with a warning, where none did."""
+    _open(server, db).close()  # root makes the shard's tables and the gate's triggers
+    alone = servers.unique_name("proc")
+    _root(server, f"CREATE DATABASE {alone} CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")
+    user = _login(server, db, "")
+    _root(server, f"GRANT ALL PRIVILEGES ON `{alone}`.* TO '{user}'@'127.0.0.1'")
+    try:
+        for name, gated in ((db, True), (alone, False)):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, "bagstore.backends.gate"):
+                ds = _open(server, name, user)
+            try:
+                backend = ds.router.backends[0]
+                assert backend.gated is gated
+                warned = [r for r in caplog.records if "no ownership gate" in r.message]
+                assert len(warned) == (0 if gated else 1)
+                batch = [{"id": bagstore.new_id(), "n": k} for k in range(50)]
+                ds.put_many(batch)
+                assert (backend._gate_seen is not None) is gated
+                assert [ds.get(e["id"]) for e in batch] == batch
+            finally:
+                ds.close()
+    finally:
+        _root(server, f"DROP USER '{user}'@'127.0.0.1'", f"DROP DATABASE IF EXISTS {alone}")

@@ -34,6 +34,7 @@ from bagstore.backends.entities import (
     Stored,
     Within,
 )
+from bagstore.backends.gate import GatedReads, ensure_gate
 from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
 from bagstore.backends.pipeline import Pipeline, later
 from bagstore.backends.scansql import ScanOps
@@ -199,7 +200,7 @@ class Dialect(EntitySQL):
         raise NotImplementedError
 
 
-class Backend(EntityOps, BucketOps, IndexOps, ScanOps):
+class Backend(GatedReads, EntityOps, BucketOps, IndexOps, ScanOps):
     """One shard: a database reached through a pool of DB-API connections.
 
     Subclasses provide ``_acquire``/``_release``/``_discard`` (connection
@@ -552,6 +553,7 @@ class Backend(EntityOps, BucketOps, IndexOps, ScanOps):
         is marked already; return the mark it holds."""
         self._executescript(self.dialect.create_stamp_sql())
         ensure_change_tables(self)  # (change feed) every shard has its tables
+        self.gated = ensure_gate(self)
         self.insert_ignore(
             "bagstore_shard", ("one", "store", "shard_no"), [(1, store_id, shard_no)]
         )

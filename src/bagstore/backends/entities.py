@@ -17,12 +17,11 @@ from contextlib import AbstractContextManager
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from bagstore.backends.buckets import ownership_error
 from bagstore.backends.changesql import skip_sql
 from bagstore.backends.entityrows import EntityRow, Stored, entity_row, entity_rows
 from bagstore.backends.entitysql import NOT_OWNED, EntitySQL
 from bagstore.backends.pipeline import later
-from bagstore.errors import ConfigurationError, StalePlacement
+from bagstore.errors import ConfigurationError
 from bagstore.versions import clock, next_version
 
 if TYPE_CHECKING:
@@ -52,7 +51,7 @@ Within = Callable[[Any, "Mapping[bytes, bytes | None]"], None]
 
 class EntityOps:
     """Entity-table operations; mixed into :class:`bagstore.backends.base.Backend`
-    (ahead of ``IndexOps``, whose ``_locked_read`` is declared, not defined)."""
+    (behind ``GatedReads``, whose ``_locked_read`` it declares, see backends/gate.py)."""
 
     # Provided by Backend:
     dialect: Dialect
@@ -95,6 +94,15 @@ class EntityOps:
         def check_owned(self, buckets: Sequence[int]) -> None: ...
 
         def bucket_states(self, buckets: Sequence[int] | None = None) -> dict[int, int]: ...
+
+        def _locked_read(
+            self,
+            cur: Any,
+            kind: str,
+            buckets: Sequence[int],
+            ids: Sequence[bytes],
+            bodies: bool = True,
+        ) -> list[tuple[Any, ...]]: ...
 
     def ensure_kind(self, kind: str) -> None:
         """Create the entities table of ``kind`` when missing (once per process).
@@ -393,45 +401,6 @@ class EntityOps:
         key = ("conditional_update_sql", kind, moves)
         sql = self._sql_memo.get(key) or self.sql(*key)
         return new if self.execute(sql, params, replay=False) == 1 else 0
-
-    def _locked_read(
-        self,
-        cur: Any,
-        kind: str,
-        buckets: Sequence[int],
-        ids: Sequence[bytes],
-        bodies: bool = True,
-    ) -> list[tuple[Any, ...]]:
-        """Inside a write transaction: lock the buckets' ownership rows (shared)
-        and raise unless this shard owns them all; lock the rows of ``ids`` and
-        return them as ``(id, body, version, updated)`` (the body None unless
-        ``bodies``).  One statement for up to 1,000 buckets and 1,000 ids."""
-        if len(buckets) == 2:  # (a put's: the entity's bucket and its index row's)
-            a, b = buckets
-            wanted = [a] if a == b else [a, b] if a < b else [b, a]
-        else:
-            wanted = sorted(set(buckets))
-        blob, memo, owned = self.blob, self._sql_memo, 0
-        found: list[tuple[Any, ...]] = []
-        for start in range(0, max(len(wanted), len(ids)), 1000):
-            some = wanted[start : start + 1000] if start or len(wanted) > 1000 else wanted
-            part = ids[start : start + 1000] if start or len(ids) > 1000 else ids
-            key = ("locked_read_sql", kind, len(some), len(part), bodies)  # (see _write_rows)
-            cur.execute(memo.get(key) or self.sql(*key), [*some, *map(blob, part)])
-            # int(): a UNION of NULL and an integer column may come back as
-            # DECIMAL (MariaDB does so for INT UNSIGNED).
-            for r in cur.fetchall():
-                if r[2] is None:
-                    owned += int(r[0])
-                else:
-                    found.append((r[2], r[3], int(r[4]), int(r[5])))
-        if owned != len(wanted):  # not all held: which buckets, and why
-            error = ownership_error(self.name, wanted, self.bucket_states(wanted))
-            raise error or StalePlacement(  # one became owned since: not locked here
-                f"shard {self.name}: a bucket's ownership changed during a write",
-                buckets=tuple(wanted),
-            )
-        return found
 
     def delete_entities(
         self,

@@ -151,3 +151,20 @@ class EntitySQL:
     def delete_entities_sql(self, kind: str, n: int) -> str:
         cond = f" = {self.param}" if n == 1 else f" IN ({self.params(n)})"
         return f"DELETE FROM {self.q(kind)} WHERE id{cond}"
+
+    def gated_read_sql(self, kind: str, ids: int, bodies: bool = True) -> str:
+        """:meth:`locked_read_sql` with the shard's gate row share-locked in
+        place of the buckets' ownership rows (see backends/gate.py), as
+        ``(token, NULL, NULL, NULL, NULL, NULL)``."""
+        gate = "SELECT token, NULL, NULL, NULL, NULL, NULL FROM bagstore_gate WHERE one = 1"
+        gate += self.share_lock
+        if not ids:
+            return gate
+        return self.union_all_sql([gate, self.locked_read_sql(kind, 0, ids, bodies)])
+
+    def locked_states_sql(self, buckets: int) -> str:
+        """``(bucket, state)`` of the ownership rows of ``buckets`` buckets, share-locked."""
+        return (
+            f"SELECT bucket, state FROM bagstore_owned WHERE bucket IN ({self.params(buckets)})"
+            + self.share_lock
+        )

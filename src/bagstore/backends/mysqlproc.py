@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from bagstore.backends.entities import EntityOps, EntityRow
 
-__all__ = ["ProcedurePuts"]
+__all__ = ["DENIED", "ProcedurePuts"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 _NO_PROCEDURE, _PROCEDURE_EXISTS = 1305, 1304
 #: What a login may not do, or a definer that no longer exists: the
 #: procedure cannot be created or run by this backend.
-_DENIED = frozenset(
+DENIED = frozenset(
     {
         1044,  # access denied to the database (no CREATE ROUTINE)
         1142,  # command denied on a table
@@ -93,7 +93,7 @@ class ProcedurePuts(EntityOps):
         code = self._code(exc)
         if code == _NO_PROCEDURE:
             return _MISSING
-        if code in _DENIED:
+        if code in DENIED:
             return _REFUSED
         raise exc
 
@@ -109,7 +109,7 @@ class ProcedurePuts(EntityOps):
                 code = self._code(exc)
                 if code == _PROCEDURE_EXISTS:
                     return True
-                if code in _DENIED:
+                if code in DENIED:
                     return False
                 raise
             finally:
