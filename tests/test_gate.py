@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -196,5 +197,25 @@ def test_a_login_that_may_not_create_triggers_checks_each_bucket(
         with pytest.raises(bagstore.KeyMigrating):
             ds.put_many([{**e, "n": -1} for e in batch])
         assert ds.get(batch[0]["id"]) == batch[0]
+        assert [s["ownership_gate"] for s in ds.status()["shards"]] == [False]
     finally:
         ds.close()
+
+
+def test_status_names_a_shard_without_the_gate(
+    trigger_less: tuple[str, str], tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from bagstore.cli import cli
+
+    url, _ = trigger_less
+    config = tmp_path / "bagstore.toml"
+    config.write_text(f'[bagstore]\nshards = ["{url}"]\nbuckets = 64\n')
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--config", str(config), "init"]).exit_code == 0
+    shown = runner.invoke(cli, ["--config", str(config), "status"])
+    assert shown.exit_code == 0, shown.output
+    assert "shard 0 has no ownership gate" in shown.output
+    as_json = runner.invoke(cli, ["--config", str(config), "status", "--json"])
+    assert '"ownership_gate": false' in as_json.stdout

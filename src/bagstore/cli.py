@@ -362,6 +362,12 @@ def status(ctx: click.Context, as_json: bool) -> None:
     for s in report["shards"]:
         shards.add_row(str(s["shard"]), s["name"], str(s["buckets"]), str(s["entities"]))
     out.print(shards)
+    for s in report["shards"]:
+        if not s["ownership_gate"]:
+            out.print(
+                f"shard {s['shard']} has no ownership gate (its login may not create "
+                "triggers): writes of many buckets lock each bucket's row (docs/scaleout.md)"
+            )
     if replicated:
         out.print(replication_table(replicated))
     if indexes:

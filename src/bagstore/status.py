@@ -61,6 +61,7 @@ def store_status(
                 "name": b.name,
                 "buckets": topology.shard_of_bucket.count(i),
                 "entities": counts[i],
+                "ownership_gate": b.gated,
             }
             for i, b in enumerate(topology.backends)
         ],
