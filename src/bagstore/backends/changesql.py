@@ -291,7 +291,8 @@ def rows_per_range(backend: Backend) -> int:
     beyond its rows (the search, the Python around it), half a row's
     reading: 16 rows keep that to ~1/16 of a row's cost while holding at most
     16 rows a bucket waiting in memory (twice that when a bucket's whole
-    rest is read in one range, see :func:`bagstore.feedread._fill`)."""
+    rest is read in one range, from its first read on, see
+    :func:`bagstore.feedread._fill`)."""
     return 32 if _mysql(backend.dialect) else 16
 
 
