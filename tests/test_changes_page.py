@@ -128,7 +128,9 @@ def _session_pages(
     def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
         return {b: (len(streams[b]), 0, b % 3) for b in buckets if wanted is None or b in wanted}
 
-    def read(by_shard: dict[int, list[tuple[int, int, int]]]) -> list[tuple[Any, ...]]:
+    def read(
+        by_shard: dict[int, list[tuple[int, int, int]]], ends: dict[int, tuple[int, int, int]]
+    ) -> list[tuple[Any, ...]]:
         for shard, ranges in by_shard.items():
             assert all(b % 3 == shard for b, _, _ in ranges)  # asked where it is
         return [r for rs in by_shard.values() for b, lo, hi in rs for r in streams[b][lo - 1 : hi]]
@@ -197,7 +199,9 @@ def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end(
     def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
         return {b: (changes, 0, 0) for b in streams if wanted is None or b in wanted}
 
-    def read(by_shard: dict[int, list[tuple[int, int, int]]]) -> list[tuple[Any, ...]]:
+    def read(
+        by_shard: dict[int, list[tuple[int, int, int]]], ends: dict[int, tuple[int, int, int]]
+    ) -> list[tuple[Any, ...]]:
         for b, lo, hi in by_shard[0]:
             asked.setdefault(b, []).append(hi - lo + 1)
         return [r for b, lo, hi in by_shard[0] for r in streams[b][lo - 1 : hi]]
@@ -302,7 +306,7 @@ def test_range_reads_give_the_rows_asked_whatever_their_number(topo: Topology) -
     expected = [
         (b, pos) for s in sorted(by_shard) for b, lo, hi in by_shard[s] for pos in range(lo, hi + 1)
     ]
-    got = feed._read_ranges(by_shard)
+    got = feed._read_ranges(by_shard, holders)
     assert sorted((r[0], r[1]) for r in got) == expected
     for shard, ranges in by_shard.items():
         backend = feed.router.backends[shard]
@@ -321,7 +325,8 @@ def test_range_reads_give_the_rows_asked_whatever_their_number(topo: Topology) -
     shard_of = {b: s for b, (_, _, s) in holders.items()}
     assert len(many) == 300
     got = feed._read_ranges(
-        {s: sorted(r for r in many if shard_of[r[0]] == s) for s in set(shard_of.values())}
+        {s: sorted(r for r in many if shard_of[r[0]] == s) for s in set(shard_of.values())},
+        holders,
     )
     assert sorted((r[0], r[1]) for r in got) == sorted((b, pos) for b, pos, _ in many)
     ds.close()

@@ -46,8 +46,13 @@ _72, _48 = repeat(72), repeat(48)
 _BUCKETS, _POSITIONS = (1 << 24) - 1, (1 << 48) - 1
 #: ``holders(buckets or None)``: ``{bucket: (last position, last pruned, shard)}``.
 Holders = Callable[[set[int] | None], dict[int, tuple[int, int, int]]]
-#: ``read({shard: [(bucket, lo, hi), ...]})``: the change rows of those ranges.
-Reader = Callable[[dict[int, list[tuple[int, int, int]]]], list[tuple[Any, ...]]]
+#: ``read({shard: [(bucket, lo, hi), ...]}, ends)``: the change rows of those
+#: ranges; ``ends`` the session's ``{bucket: (last position, last pruned,
+#: shard)}``, what the reader may know of the rows between the ranges.
+Reader = Callable[
+    [dict[int, list[tuple[int, int, int]]], dict[int, tuple[int, int, int]]],
+    list[tuple[Any, ...]],
+]
 #: ``pruned(bucket, at, pruned)``: raises ChangesPruned.
 Pruned = Callable[[int, int, int], None]
 
@@ -200,7 +205,7 @@ def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) ->
     asked.sort()
     for ranges in by_shard.values():
         ranges.sort()
-    rows = read(by_shard)
+    rows = read(by_shard, ends)
     bs = list(map(_BUCKET, rows))
     ps = list(map(_POS, rows))
     places = list(map(add, map(lshift, bs, _48), ps))  # (bucket, position) as one int
