@@ -21,7 +21,8 @@ def test_spans_join_close_buckets_whose_rows_not_asked_are_few() -> None:
     it would pass over (the asked buckets' rows outside their ranges, the
     buckets between without a range) pass 16 a range saved, at a gap of more
     than 8 buckets, or at a bucket held by another shard's rows counted as
-    none; without what the reader knows, one range a run."""
+    none, or at a bucket's second range; without what the reader knows, one
+    range a run."""
     ends = _ends({b: 20 for b in range(40)}, {b: 0 for b in range(40)})
     whole = [(b, 1, 20) for b in range(10)]
     assert changerange._spans(whole, (ends, 0)) == [10]
@@ -38,6 +39,8 @@ def test_spans_join_close_buckets_whose_rows_not_asked_are_few() -> None:
     assert changerange._spans([(0, 1, 20), (10, 1, 20)], (far, 0)) == [1, 1]
     near = {**ends, **{b: (20, 20, 0) for b in range(1, 9)}}
     assert changerange._spans([(0, 1, 20), (9, 1, 20)], (near, 0)) == [2]
+    # a bucket's second range starts another run
+    assert changerange._spans([(0, 1, 10), (0, 11, 20), (1, 1, 20)], (ends, 0)) == [1, 2]
 
 
 def test_range_reads_as_spans_give_exactly_the_rows_asked(topo: Topology) -> None:
@@ -75,7 +78,10 @@ def test_range_reads_as_spans_give_exactly_the_rows_asked(topo: Topology) -> Non
                         continue
                     lo = rng.choice([1, 1, 2, rng.randint(1, top + 1)])
                     hi = rng.choice([top, top + 3, max(lo, top - 1), rng.randint(lo, top + 2)])
-                    ranges.append((b, lo, hi))
+                    if rng.random() < 0.1 and lo < hi:  # two ranges of one bucket
+                        ranges += [(b, lo, (lo + hi) // 2), (b, (lo + hi) // 2 + 1, hi)]
+                    else:
+                        ranges.append((b, lo, hi))
                 if not ranges:
                     continue
                 expected = [

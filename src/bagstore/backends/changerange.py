@@ -76,7 +76,7 @@ def _spans(ranges: Sequence[tuple[int, int, int]], known: Known | None) -> list[
     less its last pruned; rows written since or left by a bucket move are not
     known and not counted: a cost, never a row returned that was not
     asked); a run's rows not asked are at most :data:`_DROPPED_PER_RANGE`
-    for each range it saves."""
+    for each range it saves; a run holds one range a bucket."""
     if known is None or len(ranges) < 2:
         return [1] * len(ranges)
     ends, shard = known
@@ -95,7 +95,7 @@ def _spans(ranges: Sequence[tuple[int, int, int]], known: Known | None) -> list[
     runs: list[int] = []
     n, waste = 1, dropped(ranges[0])
     for prev, r in pairwise(ranges):
-        if r[0] - prev[0] - 1 <= _SPAN_GAP:
+        if 0 <= r[0] - prev[0] - 1 <= _SPAN_GAP:  # (a bucket's second range: another run)
             more = dropped(r) + sum(map(here, range(prev[0] + 1, r[0])))
             if waste + more <= _DROPPED_PER_RANGE * n:
                 n, waste = n + 1, waste + more
