@@ -181,16 +181,20 @@ def test_session_pages_are_the_plain_merge(monotone: bool) -> None:
             assert [r for r in got if r[0] == b] == rows  # every row, once, in order
 
 
-@pytest.mark.parametrize(("changes", "ranges"), [(30, [30]), (40, [2, 8, 30])])
+@pytest.mark.parametrize(
+    ("changes", "limit", "ranges"), [(30, 64, [30]), (40, 64, [2, 8, 30]), (30, 4, [2, 28])]
+)
 def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end(
-    changes: int, ranges: list[int]
+    changes: int, limit: int, ranges: list[int]
 ) -> None:
     """A bucket's read takes all the rest when that is at most twice ``most``
     rows, its first read too, rather than its share of a page and more
     ranges for what is left (a range costs more than its rows): 64 buckets
     of 30 changes, pages of 64, are read in one range a bucket; buckets of
     40 (more than twice ``most``) first by their share of a page (2 rows),
-    then 8 (four times that), then the rest; the pages are the plain merge."""
+    then 8 (four times that), then the rest; pages of 4 rows (less than an
+    eighth of a row a bucket) read a bucket first by its share, 2 rows, and
+    the rest after; the pages are the plain merge."""
     streams = {
         b: [(b, i + 1, b"id", 0, 1, i * 64 + b, None) for i in range(changes)] for b in range(64)
     }
@@ -211,7 +215,7 @@ def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end(
 
     session = feedread.start(None, {}, False, 0, holders, pruned)
     got: list[tuple[Any, ...]] = []
-    while page := feedread.next_rows(session, 64, 16, holders, read, pruned):
+    while page := feedread.next_rows(session, limit, 16, holders, read, pruned):
         got += page
     assert got == _reference(streams, set(), len(got) + 1) and len(got) == 64 * changes
     assert all(sizes == ranges for sizes in asked.values()) and len(asked) == 64
