@@ -213,7 +213,7 @@ class Feed:
         statement a group of shards (see :meth:`_groups`); ``ends``: the
         buckets' ``(last position, last pruned, shard)`` as the reader knows
         them (how many rows lie between the ranges, see
-        :func:`bagstore.backends.changesql.read_ranges`)."""
+        :func:`bagstore.backends.changerange.read_ranges`)."""
         backends = self.router.backends
 
         def on(group: list[int]) -> list[tuple[Any, ...]]:
