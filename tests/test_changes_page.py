@@ -128,7 +128,9 @@ def _session_pages(
     def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
         return {b: (len(streams[b]), 0, b % 3) for b in buckets if wanted is None or b in wanted}
 
-    def read(by_shard: dict[int, list[tuple[int, int, int]]]) -> list[tuple[Any, ...]]:
+    def read(
+        by_shard: dict[int, list[tuple[int, int, int]]], ends: dict[int, tuple[int, int, int]]
+    ) -> list[tuple[Any, ...]]:
         for shard, ranges in by_shard.items():
             assert all(b % 3 == shard for b, _, _ in ranges)  # asked where it is
         return [r for rs in by_shard.values() for b, lo, hi in rs for r in streams[b][lo - 1 : hi]]
@@ -179,21 +181,33 @@ def test_session_pages_are_the_plain_merge(monotone: bool) -> None:
             assert [r for r in got if r[0] == b] == rows  # every row, once, in order
 
 
-def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end() -> None:
-    """After a bucket's first read, its next one takes all the rest when that
-    is at most twice ``most`` rows, rather than four times the first and more
-    ranges for what is left (a range costs more than its rows): 64 buckets of
-    30 changes, pages of 64, are read in two ranges a bucket, and the pages
-    are still the plain merge."""
-    streams = {b: [(b, i + 1, b"id", 0, 1, i * 64 + b, None) for i in range(30)] for b in range(64)}
-    asked: dict[int, int] = {}
+@pytest.mark.parametrize(
+    ("changes", "limit", "ranges"), [(30, 64, [30]), (40, 64, [2, 8, 30]), (30, 4, [2, 28])]
+)
+def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end(
+    changes: int, limit: int, ranges: list[int]
+) -> None:
+    """A bucket's read takes all the rest when that is at most twice ``most``
+    rows, its first read too, rather than its share of a page and more
+    ranges for what is left (a range costs more than its rows): 64 buckets
+    of 30 changes, pages of 64, are read in one range a bucket; buckets of
+    40 (more than twice ``most``) first by their share of a page (2 rows),
+    then 8 (four times that), then the rest; pages of 4 rows (less than an
+    eighth of a row a bucket) read a bucket first by its share, 2 rows, and
+    the rest after; the pages are the plain merge."""
+    streams = {
+        b: [(b, i + 1, b"id", 0, 1, i * 64 + b, None) for i in range(changes)] for b in range(64)
+    }
+    asked: dict[int, list[int]] = {}
 
     def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
-        return {b: (30, 0, 0) for b in streams if wanted is None or b in wanted}
+        return {b: (changes, 0, 0) for b in streams if wanted is None or b in wanted}
 
-    def read(by_shard: dict[int, list[tuple[int, int, int]]]) -> list[tuple[Any, ...]]:
-        for b, _, _ in by_shard[0]:
-            asked[b] = asked.get(b, 0) + 1
+    def read(
+        by_shard: dict[int, list[tuple[int, int, int]]], ends: dict[int, tuple[int, int, int]]
+    ) -> list[tuple[Any, ...]]:
+        for b, lo, hi in by_shard[0]:
+            asked.setdefault(b, []).append(hi - lo + 1)
         return [r for b, lo, hi in by_shard[0] for r in streams[b][lo - 1 : hi]]
 
     def pruned(bucket: int, at: int, low: int) -> None:
@@ -201,10 +215,10 @@ def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end() -> None:
 
     session = feedread.start(None, {}, False, 0, holders, pruned)
     got: list[tuple[Any, ...]] = []
-    while page := feedread.next_rows(session, 64, 16, holders, read, pruned):
+    while page := feedread.next_rows(session, limit, 16, holders, read, pruned):
         got += page
-    assert got == _reference(streams, set(), len(got) + 1) and len(got) == 64 * 30
-    assert set(asked.values()) == {2}
+    assert got == _reference(streams, set(), len(got) + 1) and len(got) == 64 * changes
+    assert all(sizes == ranges for sizes in asked.values()) and len(asked) == 64
 
 
 def test_pages_at_the_default_bucket_count_resume_anywhere(topo: Topology) -> None:
@@ -296,7 +310,7 @@ def test_range_reads_give_the_rows_asked_whatever_their_number(topo: Topology) -
     expected = [
         (b, pos) for s in sorted(by_shard) for b, lo, hi in by_shard[s] for pos in range(lo, hi + 1)
     ]
-    got = feed._read_ranges(by_shard)
+    got = feed._read_ranges(by_shard, holders)
     assert sorted((r[0], r[1]) for r in got) == expected
     for shard, ranges in by_shard.items():
         backend = feed.router.backends[shard]
@@ -315,7 +329,8 @@ def test_range_reads_give_the_rows_asked_whatever_their_number(topo: Topology) -
     shard_of = {b: s for b, (_, _, s) in holders.items()}
     assert len(many) == 300
     got = feed._read_ranges(
-        {s: sorted(r for r in many if shard_of[r[0]] == s) for s in set(shard_of.values())}
+        {s: sorted(r for r in many if shard_of[r[0]] == s) for s in set(shard_of.values())},
+        holders,
     )
     assert sorted((r[0], r[1]) for r in got) == sorted((b, pos) for b, pos, _ in many)
     ds.close()

@@ -204,15 +204,24 @@ class Feed:
         self._sessions[key] = session
         return page_changes(rows, self.kind), dict(session.after)
 
-    def _read_ranges(self, by_shard: dict[int, list[tuple[int, int, int]]]) -> list[Any]:
+    def _read_ranges(
+        self,
+        by_shard: dict[int, list[tuple[int, int, int]]],
+        ends: dict[int, tuple[int, int, int]],
+    ) -> list[Any]:
         """The change rows of ``{shard: [(bucket, lo, hi), ...]}``, one
-        statement a group of shards (see :meth:`_groups`)."""
+        statement a group of shards (see :meth:`_groups`); ``ends``: the
+        buckets' ``(last position, last pruned, shard)`` as the reader knows
+        them (how many rows lie between the ranges, see
+        :func:`bagstore.backends.changerange.read_ranges`)."""
         backends = self.router.backends
 
         def on(group: list[int]) -> list[tuple[Any, ...]]:
             if len(group) == 1:
-                return sql.read_ranges(backends[group[0]], self.kind, by_shard[group[0]])
-            return sql.ranges_together(self.kind, [(backends[s], by_shard[s]) for s in group])
+                s = group[0]
+                return sql.read_ranges(backends[s], self.kind, by_shard[s], (ends, s))
+            parts = [(backends[s], by_shard[s], (ends, s)) for s in group]
+            return sql.ranges_together(self.kind, parts)
 
         parts = self.router.map(on, self._groups(sorted(by_shard)))
         return parts[0] if len(parts) == 1 else [r for part in parts for r in part]

@@ -46,8 +46,13 @@ _72, _48 = repeat(72), repeat(48)
 _BUCKETS, _POSITIONS = (1 << 24) - 1, (1 << 48) - 1
 #: ``holders(buckets or None)``: ``{bucket: (last position, last pruned, shard)}``.
 Holders = Callable[[set[int] | None], dict[int, tuple[int, int, int]]]
-#: ``read({shard: [(bucket, lo, hi), ...]})``: the change rows of those ranges.
-Reader = Callable[[dict[int, list[tuple[int, int, int]]]], list[tuple[Any, ...]]]
+#: ``read({shard: [(bucket, lo, hi), ...]}, ends)``: the change rows of those
+#: ranges; ``ends`` the session's ``{bucket: (last position, last pruned,
+#: shard)}``, what the reader may know of the rows between the ranges.
+Reader = Callable[
+    [dict[int, list[tuple[int, int, int]]], dict[int, tuple[int, int, int]]],
+    list[tuple[Any, ...]],
+]
 #: ``pruned(bucket, at, pruned)``: raises ChangesPruned.
 Pruned = Callable[[int, int, int], None]
 
@@ -136,11 +141,16 @@ def next_rows(
         _refresh(s, holders, pruned)
     active = max(1, len(s.blocked))
     # a bucket's first read: twice its share of a page; each next one four
-    # times the last, up to `most` or that share, or all the rest of the
-    # bucket when it is at most twice `most` rows (a range costs more than
-    # its rows: a bucket read to its end in fewer of them)
+    # times the last, up to `most` or that share; any of them all the rest
+    # of the bucket when it is at most twice `most` rows (a range costs
+    # more than its rows: a bucket read to its end in fewer of them; at
+    # 1,024 buckets of ~20 changes, each is read in one range, not two),
+    # the first one only while a page is at least an eighth of a row a
+    # bucket (a first read reaches every bucket at once: a page of 1 row
+    # over 1,024 buckets does not read them all to their end)
     first = min(limit, max(2, -(-2 * limit // active)))
     most = max(first, most)
+    whole_first = active <= 8 * limit
     stuck: set[int] = set()  # buckets that read nothing twice in this call
     tried: set[int] = set()
     pending, blocked = s.pending, s.blocked
@@ -159,7 +169,7 @@ def next_rows(
             heapq.heappush(blocked, bound)
         if not picked:
             break
-        short = _fill(s, picked, first, most, read)
+        short = _fill(s, picked, first, most, whole_first, read)
         if short:
             _recheck(s, short, holders, pruned, tried, stuck)
     taken = pending[: min(n, limit)]
@@ -177,31 +187,32 @@ def _key(high: int, bucket: int, pos: int) -> int:
     return (high << 72) + (bucket << 48) + pos
 
 
-def _fill(s: Session, picked: list[int], first: int, most: int, read: Reader) -> list[int]:
+def _fill(
+    s: Session, picked: list[int], first: int, most: int, whole_first: bool, read: Reader
+) -> list[int]:
     """Read the next rows of the ``picked`` buckets' heap keys (``first`` the
     first time, then four times as many as the last time, up to ``most``, or
-    the rest of the bucket when it is at most twice ``most`` rows) into
-    ``s.pending`` (in merge order) and push those still short of their last
-    position back onto the heap; the buckets that read nothing."""
+    the rest of the bucket when it is at most twice ``most`` rows, the
+    first time too with ``whole_first``) into ``s.pending`` (in merge order)
+    and push those still short of their last position back onto the heap;
+    the buckets that read nothing."""
     ends, read_to, sizes = s.ends, s.read_to, s.sizes
     by_shard: dict[int, list[tuple[int, int, int]]] = {}
     asked: list[tuple[int, int, int]] = []
     for bound in picked:
         b, lo = (bound >> 48) & _BUCKETS, (bound & _POSITIONS)
         top, _, shard = ends[b]
-        if b in sizes:
-            size = sizes[b] = min(most, 4 * sizes[b])
-            if top - lo < 2 * most:  # the rest, in one range rather than two
-                size = top - lo + 1
-        else:
-            size = sizes[b] = first
+        later = b in sizes
+        size = sizes[b] = min(most, 4 * sizes[b]) if later else first
+        if top - lo < 2 * most and (later or whole_first):  # the rest, in one range, not two
+            size = top - lo + 1
         r = (b, lo, min(top, lo - 1 + size))
         asked.append(r)
         by_shard.setdefault(shard, []).append(r)
     asked.sort()
     for ranges in by_shard.values():
         ranges.sort()
-    rows = read(by_shard)
+    rows = read(by_shard, ends)
     bs = list(map(_BUCKET, rows))
     ps = list(map(_POS, rows))
     places = list(map(add, map(lshift, bs, _48), ps))  # (bucket, position) as one int

@@ -31,14 +31,18 @@ Nothing here decides which shard to ask: that is :mod:`bagstore.changes`.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import re
-from bisect import bisect_left
 from collections.abc import Sequence
-from itertools import chain
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from bagstore.backends.changerange import (
+    CHANGES,
+    ranges_together,
+    read_ranges,
+    rows_per_range,
+    table_of,
+)
 from bagstore.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -71,7 +75,6 @@ __all__ = [
     "skip_sql",
 ]
 
-CHANGES = "bagstore_changes"
 POSITIONS = "bagstore_change_pos"
 SKIP = "bagstore_change_skip"
 PUT, DELETE = 0, 1
@@ -283,97 +286,6 @@ def _row(r: Sequence[Any]) -> ChangeRow:
     )
 
 
-def rows_per_range(backend: Backend) -> int:
-    """The most rows a reader asks of one bucket at a time (bagstore.feedread):
-    MariaDB spends ~30 us on each range of an ``OR`` beyond its rows
-    (measured: 200 ranges of 4 rows 20 ms, one range of 800 rows 8 ms), so
-    it is asked for longer ones; on SQLite a range costs ~8k instructions
-    beyond its rows (the search, the Python around it), half a row's
-    reading: 16 rows keep that to ~1/16 of a row's cost while holding at most
-    16 rows a bucket waiting in memory (twice that when a bucket's whole
-    rest is read in one range, see :func:`bagstore.feedread._fill`)."""
-    return 32 if _mysql(backend.dialect) else 16
-
-
-#: Ranges per statement of :func:`read_ranges`.
-_RANGES_PER_STATEMENT = 200
-_READ = "SELECT bucket, pos, id, op, version, updated, body FROM "
-#: SQLite: the sizes of the ``VALUES`` lists of ranges a read is padded to
-#: (each ~1.4 times the last): a few statement texts, each compiled once per
-#: connection (its statement cache), a padding range costing ~half a range.
-_SIZES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 90, 128, 160, _RANGES_PER_STATEMENT)
-_PAD = (-1, 1, 0)  # a range that holds nothing (no bucket -1, and lo > hi)
-
-
-@functools.cache
-def _values_sql(table: str, size: int) -> str:
-    """SQLite: the change rows of ``size`` ranges bound as ``VALUES (bucket, lo,
-    hi), ...`` and then the kind; CROSS JOIN keeps the ranges the outer loop,
-    each a primary-key search, in the order given."""
-    values = ",".join(["(?,?,?)"] * size)
-    return (
-        "SELECT c.bucket, c.pos, c.id, c.op, c.version, c.updated, c.body "
-        f"FROM (VALUES {values}) AS r CROSS JOIN {table} AS c WHERE c.kind = ? "
-        "AND c.bucket = r.column1 AND c.pos >= r.column2 AND c.pos <= r.column3"
-    )
-
-
-def _ranges_sql(
-    backend: Backend, kind: str, ranges: Sequence[tuple[int, int, int]], qualified: bool
-) -> tuple[str, list[Any]]:
-    """One ``SELECT`` of the change rows in ``ranges`` (at most
-    :data:`_RANGES_PER_STATEMENT`) of one shard, and its parameters.
-    MariaDB: one ``OR`` of the primary-key ranges, which InnoDB reads as one
-    range scan in key order (a ``UNION ALL`` of them costs it a temporary
-    table: 10-50% slower a row, measured).  SQLite: the ranges bound as a
-    ``VALUES`` list joined to the table (a primary-key search a range, in the
-    order given), padded to one of a few sizes (:data:`_SIZES`) with ranges
-    that hold nothing, so that SQLite compiles each text once per connection
-    (a ``UNION ALL`` of one ``SELECT`` a range was compiled at every read:
-    ~1.5 M instructions for 200 ranges; it reads an ``OR`` with a temporary
-    b-tree).  Measured (callgrind, 200 ranges of 5 rows): 10.6 M instructions
-    a statement, against 12.5 M for the ranges as one JSON parameter
-    (``json_each``, formatted and parsed a range)."""
-    d = backend.dialect
-    p = d.param
-    table = _table(backend, CHANGES, qualified)
-    params: list[Any] = []
-    if _mysql(d):
-        params.append(kind)
-        for r in ranges:
-            params += r
-        one = f"(bucket = {p} AND pos >= {p} AND pos <= {p})"
-        return f"{_READ}{table} WHERE kind = {p} AND ({' OR '.join([one] * len(ranges))})", params
-    n = len(ranges)
-    size = _SIZES[bisect_left(_SIZES, n)]
-    params = list(chain.from_iterable(ranges))
-    if size > n:
-        params += _PAD * (size - n)
-    params.append(kind)
-    return _values_sql(table, size), params
-
-
-def read_ranges(
-    backend: Backend, kind: str, ranges: Sequence[tuple[int, int, int]]
-) -> list[tuple[Any, ...]]:
-    """The change rows of ``kind`` with ``lo <= pos <= hi`` in each ``(bucket,
-    lo, hi)`` (sorted), one statement per 200 ranges (see :func:`_ranges_sql`);
-    rows ``(bucket, pos, id, op, version, updated, body)`` as the driver
-    returns them, normally in the order of ``ranges`` and positions (callers
-    check)."""
-    out: list[tuple[Any, ...]] = []
-    for start in range(0, len(ranges), _RANGES_PER_STATEMENT):
-        sql, params = _ranges_sql(
-            backend, kind, ranges[start : start + _RANGES_PER_STATEMENT], False
-        )
-        out += backend.fetchall(sql, params)
-    return out
-
-
-def _table(backend: Backend, table: str, qualified: bool) -> str:
-    return f"{backend.dialect.q(backend.schema)}.{table}" if qualified and backend.schema else table
-
-
 def positions_together(
     kind: str, shards: Sequence[tuple[int, Backend]]
 ) -> dict[int, dict[int, tuple[int, int]]]:
@@ -382,7 +294,8 @@ def positions_together(
     lead = shards[0][1]
     p = lead.dialect.param
     parts = [
-        f"SELECT {int(no)}, bucket, pos, pruned FROM {_table(b, POSITIONS, True)} WHERE kind = {p}"
+        f"SELECT {int(no)}, bucket, pos, pruned FROM {table_of(b, POSITIONS, True)} "
+        f"WHERE kind = {p}"
         for no, b in shards
     ]
     rows = lead.read_together(
@@ -391,40 +304,6 @@ def positions_together(
     out: dict[int, dict[int, tuple[int, int]]] = {no: {} for no, _ in shards}
     for no, bucket, pos, pruned in rows:
         out[int(no)][int(bucket)] = (int(pos), int(pruned))
-    return out
-
-
-def ranges_together(
-    kind: str, parts: Sequence[tuple[Backend, Sequence[tuple[int, int, int]]]]
-) -> list[tuple[Any, ...]]:
-    """:func:`read_ranges` of several shards of one ``together`` key: a
-    ``UNION ALL`` of one ``SELECT`` a shard (:func:`_ranges_sql`) on the
-    first's connection, 200 ranges per statement, rows in the order asked."""
-    lead = parts[0][0]
-    out: list[tuple[Any, ...]] = []
-    chunk: list[tuple[Backend, Sequence[tuple[int, int, int]]]] = []
-    size = 0
-
-    def flush() -> None:
-        selects: list[str] = []
-        params: list[Any] = []
-        for backend, ranges in chunk:
-            sql, more = _ranges_sql(backend, kind, ranges, True)
-            selects.append(sql)
-            params += more
-        reach = list({id(b): b for b, _ in chunk}.values())
-        out.extend(lead.read_together(lead.dialect.union_all_sql(selects), params, reach))
-
-    for backend, ranges in parts:
-        for start in range(0, len(ranges), _RANGES_PER_STATEMENT):
-            part = ranges[start : start + _RANGES_PER_STATEMENT]
-            if size + len(part) > _RANGES_PER_STATEMENT and chunk:
-                flush()
-                chunk, size = [], 0
-            chunk.append((backend, part))
-            size += len(part)
-    if chunk:
-        flush()
     return out
 
 

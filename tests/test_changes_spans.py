@@ -1,0 +1,109 @@
+"""Reading the change feed's ranges as spans of buckets (MariaDB,
+bagstore.backends.changerange): a run of ranges of buckets close together is
+read as one span whose rows not asked the server drops; the rows returned
+are exactly the ranges' rows, in order, whatever the reader knows (or
+wrongly believes) of the rows between them."""
+
+from __future__ import annotations
+
+import random
+
+from bagstore.backends import changerange
+from tests.conftest import Topology
+
+
+def _ends(tops: dict[int, int], shard_of: dict[int, int]) -> dict[int, tuple[int, int, int]]:
+    return {b: (top, 0, shard_of[b]) for b, top in tops.items()}
+
+
+def test_spans_join_close_buckets_whose_rows_not_asked_are_few() -> None:
+    """Whole rests of adjacent buckets are one run; a run stops where the rows
+    it would pass over (the asked buckets' rows outside their ranges, the
+    buckets between without a range) pass 16 a range saved, at a gap of more
+    than 8 buckets, or at a bucket held by another shard's rows counted as
+    none, or at a bucket's second range; without what the reader knows, one
+    range a run."""
+    ends = _ends({b: 20 for b in range(40)}, {b: 0 for b in range(40)})
+    whole = [(b, 1, 20) for b in range(10)]
+    assert changerange._spans(whole, (ends, 0)) == [10]
+    assert changerange._spans(whole, None) == [1] * 10
+    assert changerange._spans(whole, (ends, 1)) == [10]  # none of these rows here: none passed
+    # 2 rows passed over a bucket: within 16 a range saved
+    assert changerange._spans([(b, 2, 19) for b in range(10)], (ends, 0)) == [10]
+    # 10 rows passed over a bucket (of 20): two buckets a run at most
+    assert changerange._spans([(b, 6, 15) for b in range(6)], (ends, 0)) == [1, 1, 1, 1, 1, 1]
+    # a bucket between without a range: its 20 rows passed over
+    assert changerange._spans([(0, 1, 20), (2, 1, 20), (3, 1, 20)], (ends, 0)) == [1, 2]
+    # nine buckets between (without rows here): not joined
+    far = {**ends, **{b: (20, 20, 0) for b in range(1, 10)}}
+    assert changerange._spans([(0, 1, 20), (10, 1, 20)], (far, 0)) == [1, 1]
+    near = {**ends, **{b: (20, 20, 0) for b in range(1, 9)}}
+    assert changerange._spans([(0, 1, 20), (9, 1, 20)], (near, 0)) == [2]
+    # a bucket's second range starts another run
+    assert changerange._spans([(0, 1, 10), (0, 11, 20), (1, 1, 20)], (ends, 0)) == [1, 2]
+
+
+def test_range_reads_as_spans_give_exactly_the_rows_asked(topo: Topology) -> None:
+    """Random ranges of each shard's buckets (some buckets skipped, ranges
+    with rows before and after them not asked, bounds past the last
+    position), read with what the reader knows of the rows (true, or tops
+    and shards made up) and without: each range's rows and no other, in the
+    order asked; on MariaDB runs of them are read as spans."""
+    ds = topo.open(buckets=32)
+    ds.feed.enable(bodies=True)
+    ds.put_many([{"n": i} for i in range(700)])
+    holders = ds.feed.holders()
+    backends = ds.router.backends
+    by_shard: dict[int, list[int]] = {}
+    for b, (_, _, shard) in sorted(holders.items()):
+        by_shard.setdefault(shard, []).append(b)
+    rng = random.Random(26)
+    spans = 0
+    counted = changerange._spans
+
+    def spans_counted(ranges: list[tuple[int, int, int]], known: object) -> list[int]:
+        nonlocal spans
+        runs = counted(ranges, known)  # type: ignore[arg-type]
+        spans += sum(1 for n in runs if n > 1)
+        return runs
+
+    changerange._spans = spans_counted  # type: ignore[assignment]
+    try:
+        for _ in range(60):
+            for shard, buckets in by_shard.items():
+                ranges = []
+                for b in buckets:
+                    top = holders[b][0]
+                    if rng.random() < 0.2:
+                        continue
+                    lo = rng.choice([1, 1, 2, rng.randint(1, top + 1)])
+                    hi = rng.choice([top, top + 3, max(lo, top - 1), rng.randint(lo, top + 2)])
+                    if rng.random() < 0.1 and lo < hi:  # two ranges of one bucket
+                        ranges += [(b, lo, (lo + hi) // 2), (b, (lo + hi) // 2 + 1, hi)]
+                    else:
+                        ranges.append((b, lo, hi))
+                if not ranges:
+                    continue
+                expected = [
+                    (b, pos)
+                    for b, lo, hi in ranges
+                    for pos in range(lo, min(hi, holders[b][0]) + 1)
+                ]
+                made_up = {
+                    b: (max(0, top + rng.randint(-15, 5)), 0, rng.choice([s, s, shard]))
+                    for b, (top, _, s) in holders.items()
+                }
+                for known in (None, (holders, shard), (made_up, shard)):
+                    rows = changerange.read_ranges(backends[shard], ds.kind, ranges, known)
+                    assert [(r[0], r[1]) for r in rows] == expected, (ranges, known)
+                    assert all(type(r[6]) is bytes for r in rows)
+        whole = {s: [(b, 1, holders[b][0]) for b in bs] for s, bs in by_shard.items()}
+        rows = ds.feed._read_ranges(whole, holders)  # several shards a statement on MariaDB
+        assert sorted((r[0], r[1]) for r in rows) == sorted(
+            (b, pos) for b, (top, _, _) in holders.items() for pos in range(1, top + 1)
+        )
+    finally:
+        changerange._spans = counted  # type: ignore[assignment]
+    if topo.is_mysql:
+        assert spans > 0
+    ds.close()
