@@ -25,7 +25,8 @@ Metrics (each backend; four shards, 64 buckets unless said):
   over 20,000 changes of a kind that records bodies, reading every change's
   ``.entity`` (a Change decodes its body when ``.entity`` is read), beside
   raw DB-API reading the same rows by position (one keyset ``SELECT`` of the
-  same seven columns, 1,000 rows per statement and shard) and decoding every
+  same seven columns, 1,000 rows per statement and shard, its keyset written
+  as each server reads it as a range of the primary key) and decoding every
   body with ``codec.decode``: both sides decode every body once.  bagstore
   also merges the buckets by time and signs a cursor per page, which the raw
   side does not; to merge, it reads each bucket by a range of its own (a
@@ -184,10 +185,17 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
     for start in range(0, total, 500):
         ds.put_many([friendfeed_entity() for _ in range(min(500, total - start))])
     conns = [shards.connect(i) for i in range(SHARDS)]
-    p = "?" if backend == "sqlite" else "%s"
+    # The keyset as each server plans it as a range of its primary key:
+    # SQLite a row value (it reads the OR below from the kind's first row at
+    # every statement), MariaDB the OR (a row value there is read by kind).
+    if backend == "sqlite":
+        after_sql, params = "(bucket, pos) > (?, ?)", lambda b, p: ["readme", b, p]
+    else:
+        after_sql = "(bucket > %s OR (bucket = %s AND pos > %s))"
+        params = lambda b, p: ["readme", b, b, p]  # noqa: E731
     sql = (
         "SELECT bucket, pos, id, op, version, updated, body FROM bagstore_changes "
-        f"WHERE kind = {p} AND (bucket > {p} OR (bucket = {p} AND pos > {p})) "
+        f"WHERE kind = {'?' if backend == 'sqlite' else '%s'} AND {after_sql} "
         "ORDER BY bucket, pos LIMIT 1000"
     )
 
@@ -206,7 +214,7 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         for conn in conns:
             after, cur = (-1, 0), conn.cursor()
             while True:
-                cur.execute(sql, ["readme", after[0], after[0], after[1]])
+                cur.execute(sql, params(*after))
                 got = cur.fetchall()
                 for r in got:
                     codec.decode(r[6])  # both drivers return a BLOB as bytes
