@@ -156,7 +156,7 @@ class GatedReads:
         else:
             wanted = sorted(set(buckets))
         gated = self.gated and len(wanted) >= GATED_FROM
-        blob, memo, owned, token = self.blob, self._sql_memo, 0, None
+        blob, memo, short, token = self.blob, self._sql_memo, False, None
         found: list[tuple[Any, ...]] = []
         for start in range(0, max(1 if gated else len(wanted), len(ids)), 1000):
             if gated:
@@ -169,18 +169,19 @@ class GatedReads:
             else:  # (the memo of ``self.sql``, looked up without its call)
                 key = ("locked_read_sql", kind, len(some), len(part), bodies)
             cur.execute(memo.get(key) or self.sql(*key), [*some, *map(blob, part)])
-            # int(): a UNION of NULL and an integer column may come back as
-            # DECIMAL (MariaDB does so for INT UNSIGNED).
+            # int(): a UNION's integer column may come back as DECIMAL (see
+            # ``EntitySQL.null_version``).  A count row may be left out when
+            # the count is whole (``EntitySQL.count_when_short``).
             for r in cur.fetchall():
-                if r[2] is not None:
-                    found.append((r[2], r[3], int(r[4]), int(r[5])))
+                if r[0] is not None:
+                    found.append((r[0], r[1], int(r[2]), int(r[3])))
                 elif gated:
-                    token = int(r[0])
-                else:
-                    owned += int(r[0])
+                    token = int(r[3])
+                elif int(r[3]) != len(some):
+                    short = True
         if gated:
             self._check_gated(cur, wanted, token)
-        elif owned != len(wanted):  # not all held: which buckets, and why
+        elif short:  # not all held: which buckets, and why
             error = ownership_error(self.name, wanted, self.bucket_states(wanted))
             raise error or StalePlacement(  # one became owned since: not locked here
                 f"shard {self.name}: a bucket's ownership changed during a write",
