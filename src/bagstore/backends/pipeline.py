@@ -46,11 +46,10 @@ def later(cur: Any, sql: str, params: Sequence[Any] = ()) -> None:
     """Run ``sql`` in ``cur``'s transaction, sent whenever the transaction
     next needs an answer (at once on a plain cursor).  Only for statements
     whose row count and rows nobody reads."""
-    defer = getattr(cur, "defer", None)
-    if defer is None:
-        cur.execute(sql, params)
+    if type(cur) is Pipeline:  # (not getattr: a plain cursor has no ``defer`` to miss)
+        cur._held.append((sql, params))
     else:
-        defer(sql, params)
+        cur.execute(sql, params)
 
 
 def transact(backend: Any, conn: Any, work: Callable[..., T], args: tuple[Any, ...]) -> T:
