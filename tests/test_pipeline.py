@@ -165,3 +165,33 @@ def test_a_held_statement_is_spelled_as_the_driver_spells_it(mysql_main: Any) ->
             odd.close()
     finally:
         conn.close()
+
+
+def test_a_put_s_locked_read_answers_its_rows_in_four_columns(
+    topo: Topology, one: bagstore.Datastore
+) -> None:
+    """The locked read of a put whose buckets are all owned answers the
+    entity's row and nothing else the driver must parse: four columns, no
+    count row on MariaDB (sent only when short), the version an int (no
+    DECIMAL made of the UNION's types)."""
+    from bagstore.sharding.hashing import bucket_of
+
+    eid = one.put({"user": "ann"})
+    backend = one.router.backends[0]
+    buckets = len(one.placement.shard_of_bucket)
+    mine = bucket_of(eid, buckets)
+    fence = [mine, (mine + 1) % buckets]  # (a one-shard store: both owned)
+
+    def work(cur: Any) -> tuple[Any, int, int]:
+        rows = backend._locked_read(cur, "posts", fence, [eid])
+        raw = getattr(cur, "cur", cur)  # (a Pipeline's own cursor)
+        return rows, len(raw.description), raw.rowcount
+
+    rows, columns, count = backend.write(work)
+    assert [(r[0], bagstore.codec.decode(r[1])) for r in rows] == [
+        (eid, {"id": eid, "user": "ann"})
+    ]
+    assert columns == 4
+    assert all(type(v) is int and v > 0 for v in rows[0][2:])
+    if topo.is_mysql:
+        assert count == 1  # the entity's row alone

@@ -36,7 +36,7 @@ from bagstore.backends.entities import (
 )
 from bagstore.backends.gate import GatedReads, ensure_gate
 from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexOps
-from bagstore.backends.pipeline import Pipeline, later
+from bagstore.backends.pipeline import Pipeline, later, transact
 from bagstore.backends.scansql import ScanOps
 from bagstore.errors import (
     BackendError,
@@ -448,8 +448,7 @@ class Backend(GatedReads, EntityOps, BucketOps, IndexOps, ScanOps):
         return result
 
     def _transact(self, conn: Any, work: Callable[..., T], *args: Any) -> T:
-        with self.transaction(conn) as cur:
-            return work(cur, *args)
+        return transact(self, conn, work, args)  # (:meth:`transaction`, written out)
 
     def execute(self, sql: str, params: Sequence[Any] = (), *, replay: bool = True) -> int:
         """Run one statement in autocommit mode; return its row count

@@ -32,6 +32,15 @@ class EntitySQL:
     #: keep.  MariaDB's binds the bucket, its ownership row share-locked
     #: before the entity's row, as every other write of it locks them.
     fences_by_row: ClassVar[bool] = False
+    #: Whether :meth:`locked_read_sql` sends its count of owned buckets only
+    #: when it is short (``HAVING``; a put's count row is one row fewer for
+    #: the driver to parse).  SQLite before 3.39 takes no ``HAVING`` without
+    #: ``GROUP BY``.
+    count_when_short: ClassVar[bool] = False
+    #: The NULL of a locked read's ``version`` column in its rows of counts
+    #: (MariaDB types a UNION of a bare NULL and ``BIGINT UNSIGNED`` DECIMAL,
+    #: which the driver makes a ``Decimal`` of each version).
+    null_version: ClassVar[str] = "NULL"
 
     def q(self, name: str) -> str:
         raise NotImplementedError
@@ -124,21 +133,26 @@ class EntitySQL:
         return sql + self.for_update if lock else sql
 
     def locked_read_sql(self, kind: str, buckets: int, ids: int, bodies: bool = True) -> str:
-        """For a write transaction, one statement: how many of ``buckets``
-        buckets this shard owns and accepts writes in (their ownership rows
-        share-locked until the transaction ends), as ``(count, NULL, NULL,
-        NULL, NULL, NULL)``; then the rows of ``ids`` ids, locked for update,
-        as ``(NULL, NULL, id, body, version, updated)`` (the body NULL unless
-        ``bodies``)."""
+        """For a write transaction, one statement: the rows of ``ids`` ids,
+        locked for update, as ``(id, body, version, updated)`` (the body NULL
+        unless ``bodies``); and how many of ``buckets`` buckets this shard
+        owns and accepts writes in (their ownership rows share-locked until
+        the transaction ends), as ``(NULL, NULL, NULL, count)``, a row that
+        a dialect whose :attr:`count_when_short` is set sends only when the
+        count is short.  Four columns, the fewest the rows need: a driver
+        parses every column's descriptor of every locked read."""
         parts = []
         if buckets:
-            parts.append(
-                "SELECT COUNT(*), NULL, NULL, NULL, NULL, NULL FROM bagstore_owned "
-                f"WHERE bucket IN ({self.params(buckets)}) AND state = 0" + self.share_lock
+            count = (
+                f"SELECT NULL, NULL, {self.null_version}, COUNT(*) FROM bagstore_owned "
+                f"WHERE bucket IN ({self.params(buckets)}) AND state = 0"
             )
+            if self.count_when_short:
+                count += f" HAVING COUNT(*) <> {buckets}"
+            parts.append(count + self.share_lock)
         if ids:
             parts.append(
-                f"SELECT NULL, NULL, id, {'body' if bodies else 'NULL'}, version, updated "
+                f"SELECT id, {'body' if bodies else 'NULL'}, version, updated "
                 f"FROM {self.q(kind)} "
                 f"WHERE id IN ({self.params(ids)})" + self.for_update
             )
@@ -155,8 +169,8 @@ class EntitySQL:
     def gated_read_sql(self, kind: str, ids: int, bodies: bool = True) -> str:
         """:meth:`locked_read_sql` with the shard's gate row share-locked in
         place of the buckets' ownership rows (see backends/gate.py), as
-        ``(token, NULL, NULL, NULL, NULL, NULL)``."""
-        gate = "SELECT token, NULL, NULL, NULL, NULL, NULL FROM bagstore_gate WHERE one = 1"
+        ``(NULL, NULL, NULL, token)``."""
+        gate = f"SELECT NULL, NULL, {self.null_version}, token FROM bagstore_gate WHERE one = 1"
         gate += self.share_lock
         if not ids:
             return gate

@@ -40,7 +40,7 @@ warning says so when the store is opened.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from bagstore.backends.buckets import OWNED, ownership_error
@@ -156,8 +156,51 @@ class GatedReads:
         else:
             wanted = sorted(set(buckets))
         gated = self.gated and len(wanted) >= GATED_FROM
-        blob, memo, owned, token = self.blob, self._sql_memo, 0, None
+        short, token = False, None
         found: list[tuple[Any, ...]] = []
+        answers: Iterable[tuple[int, Sequence[tuple[Any, ...]]]]
+        if len(ids) == 1 and len(wanted) < GATED_FROM:  # (a put's: one statement, no chunks)
+            key = ("locked_read_sql", kind, len(wanted), 1, bodies)
+            cur.execute(self._sql_memo.get(key) or self.sql(*key), [*wanted, self.blob(ids[0])])
+            rows = cur.fetchall()
+            if not rows:  # no row yet, and every bucket owned (no count row: not short)
+                return found
+            answers = ((len(wanted), rows),)
+        else:
+            answers = self._locked_reads(cur, kind, wanted, ids, bodies, gated)
+        # int(): a UNION's integer column may come back as DECIMAL (see
+        # ``EntitySQL.null_version``).  A count row may be left out when the
+        # count is whole (``EntitySQL.count_when_short``).
+        for counted, rows in answers:
+            for r in rows:
+                if r[0] is not None:
+                    found.append((r[0], r[1], int(r[2]), int(r[3])))
+                elif gated:
+                    token = int(r[3])
+                elif int(r[3]) != counted:
+                    short = True
+        if gated:
+            self._check_gated(cur, wanted, token)
+        elif short:  # not all held: which buckets, and why
+            error = ownership_error(self.name, wanted, self.bucket_states(wanted))
+            raise error or StalePlacement(  # one became owned since: not locked here
+                f"shard {self.name}: a bucket's ownership changed during a write",
+                buckets=tuple(wanted),
+            )
+        return found
+
+    def _locked_reads(
+        self,
+        cur: Any,
+        kind: str,
+        wanted: list[int],
+        ids: Sequence[bytes],
+        bodies: bool,
+        gated: bool,
+    ) -> Iterator[tuple[int, Sequence[tuple[Any, ...]]]]:
+        """The statements of :meth:`_locked_read`, 1,000 buckets and 1,000 ids
+        at most each: for each, how many buckets it counts and its rows."""
+        blob, memo = self.blob, self._sql_memo
         for start in range(0, max(1 if gated else len(wanted), len(ids)), 1000):
             if gated:
                 some: Sequence[int] = ()
@@ -169,24 +212,7 @@ class GatedReads:
             else:  # (the memo of ``self.sql``, looked up without its call)
                 key = ("locked_read_sql", kind, len(some), len(part), bodies)
             cur.execute(memo.get(key) or self.sql(*key), [*some, *map(blob, part)])
-            # int(): a UNION of NULL and an integer column may come back as
-            # DECIMAL (MariaDB does so for INT UNSIGNED).
-            for r in cur.fetchall():
-                if r[2] is not None:
-                    found.append((r[2], r[3], int(r[4]), int(r[5])))
-                elif gated:
-                    token = int(r[0])
-                else:
-                    owned += int(r[0])
-        if gated:
-            self._check_gated(cur, wanted, token)
-        elif owned != len(wanted):  # not all held: which buckets, and why
-            error = ownership_error(self.name, wanted, self.bucket_states(wanted))
-            raise error or StalePlacement(  # one became owned since: not locked here
-                f"shard {self.name}: a bucket's ownership changed during a write",
-                buckets=tuple(wanted),
-            )
-        return found
+            yield len(some), cur.fetchall()
 
     def _check_gated(self, cur: Any, wanted: list[int], token: int | None) -> None:
         """With the gate row share-locked at ``token`` (None: the row is

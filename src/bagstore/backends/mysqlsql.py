@@ -37,6 +37,8 @@ class MySQLDialect(Dialect):
     upsert_on_id: ClassVar[str] = "ON DUPLICATE KEY UPDATE"
     greatest: ClassVar[str] = "GREATEST"
     begin_write: ClassVar[str] = "BEGIN"
+    count_when_short: ClassVar[bool] = True
+    null_version: ClassVar[str] = "CAST(NULL AS UNSIGNED)"
     key_type: ClassVar[str] = "VARBINARY(255)"
     id_type: ClassVar[str] = "BINARY(16)"
     int_type: ClassVar[str] = "INT UNSIGNED"

@@ -98,7 +98,7 @@ class SQLiteDialect(Dialect):
         if not 0 < buckets <= 4:
             return super().locked_read_sql(kind, buckets, ids, bodies)
         one = "IFNULL((SELECT state = 0 FROM bagstore_owned WHERE bucket = ?), 0)"
-        head = f"SELECT {' + '.join([one] * buckets)}, NULL, NULL, NULL, NULL, NULL"
+        head = f"SELECT NULL, NULL, NULL, {' + '.join([one] * buckets)}"
         if not ids:
             return head
         return self.union_all_sql([head, super().locked_read_sql(kind, 0, ids, bodies)])
