@@ -72,6 +72,7 @@ from bagstore.cli_json import (
 from bagstore.cli_logging import setup_logging
 from bagstore.cli_progress import bar
 from bagstore.datastore import SQLITE_SHARD_FILE
+from bagstore.status import gate_notes
 
 __all__ = [
     "CliError",
@@ -362,12 +363,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
     for s in report["shards"]:
         shards.add_row(str(s["shard"]), s["name"], str(s["buckets"]), str(s["entities"]))
     out.print(shards)
-    for s in report["shards"]:
-        if not s["ownership_gate"]:
-            out.print(
-                f"shard {s['shard']} has no ownership gate (its login may not create "
-                "triggers): writes of many buckets lock each bucket's row (docs/scaleout.md)"
-            )
+    for line in gate_notes(report["shards"]):
+        out.print(line)
     if replicated:
         out.print(replication_table(replicated))
     if indexes:

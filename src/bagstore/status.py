@@ -72,3 +72,14 @@ def store_status(
         **({"cache": cache_layer.status()} if cache_layer.cache is not None else {}),
         **library,
     }
+
+
+def gate_notes(shards: list[dict[str, Any]]) -> list[str]:
+    """A line for people about each shard of ``store_status``'s ``shards``
+    that has no ownership gate (backends/gate.py)."""
+    return [
+        f"shard {s['shard']} has no ownership gate (its login may not create triggers): "
+        "writes of many buckets lock each bucket's row (docs/scaleout.md)"
+        for s in shards
+        if not s["ownership_gate"]
+    ]
