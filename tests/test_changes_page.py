@@ -181,6 +181,78 @@ def test_session_pages_are_the_plain_merge(monotone: bool) -> None:
             assert [r for r in got if r[0] == b] == rows  # every row, once, in order
 
 
+def test_session_pages_find_moved_buckets_and_late_rows() -> None:
+    """Pages read while some buckets' rows are not where the positions said
+    (moved to another shard: read there after a recheck of the positions)
+    and some buckets' last rows are not readable yet (read on a later page):
+    with only moves, the pages are the plain merge; with late rows too,
+    every row comes once, each bucket's in position order, at most
+    ``limit`` a page."""
+    rng = random.Random(2611)
+    for round_no in range(150):
+        streams: dict[int, list[tuple[Any, ...]]] = {}
+        for b in rng.sample(range(300), rng.randint(1, 40)):
+            times = [rng.randint(1, 30) for _ in range(rng.randint(1, 30))]
+            if rng.random() < 0.7:
+                times.sort()
+            streams[b] = [(b, i + 1, b"id", 0, 1, t, None) for i, t in enumerate(times)]
+        late = {b: rng.randint(1, 3) for b in streams if round_no % 2 and rng.random() < 0.3}
+        got = _pages_with_moves(streams, late, rng)
+        for b, rows in streams.items():
+            assert [r for r in got if r[0] == b] == rows  # every row, once, in order
+        if not late:
+            assert got == _reference(streams, set(), len(got) + 1)
+
+
+def _pages_with_moves(
+    streams: dict[int, list[tuple[Any, ...]]], late: dict[int, int], rng: random.Random
+) -> list[tuple[Any, ...]]:
+    """Every row of ``streams`` read page after page by a reading session,
+    some buckets' rows on another shard than the positions first say, the
+    last ``late[b]`` rows of a bucket readable only after a few reads."""
+    where = {b: rng.randrange(3) for b in streams}  # the shard holding the rows
+    said = {b: (s + 1) % 3 if rng.random() < 0.3 else s for b, s in where.items()}
+    calls = [0]
+
+    def visible(b: int) -> int:
+        return len(streams[b]) - (late.get(b, 0) if calls[0] < 6 else 0)
+
+    def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
+        out = {}
+        for b in sorted(streams) if wanted is None else wanted & set(streams):
+            out[b] = (len(streams[b]), 0, said[b])
+            if wanted is not None:  # a recheck finds where the bucket is now
+                said[b] = where[b]
+        return out
+
+    def read(
+        by_shard: dict[int, list[tuple[int, int, int]]], ends: dict[int, tuple[int, int, int]]
+    ) -> list[tuple[Any, ...]]:
+        calls[0] += 1
+        out = []
+        for shard in rng.sample(sorted(by_shard), len(by_shard)):  # shards in any order
+            for b, lo, hi in by_shard[shard]:
+                if where[b] == shard:
+                    out += streams[b][lo - 1 : min(hi, visible(b))]
+        return out
+
+    def pruned(bucket: int, at: int, low: int) -> None:
+        raise AssertionError("nothing is pruned here")
+
+    limit = rng.randint(1, 80)
+    session = feedread.start(None, {}, False, 0, holders, pruned)
+    got: list[tuple[Any, ...]] = []
+    total = sum(map(len, streams.values()))
+    for _ in range(10_000):
+        page = feedread.next_rows(session, limit, rng.choice([1, 2, 16]), holders, read, pruned)
+        assert len(page) <= limit
+        got += page
+        if not page and calls[0] >= 6 and len(got) == total:
+            break
+        calls[0] += 1
+    return got
+
+
 @pytest.mark.parametrize(
     ("changes", "limit", "ranges"), [(30, 64, [30]), (40, 64, [2, 8, 30]), (30, 4, [2, 28])]
 )

@@ -30,20 +30,23 @@ most 65,536 buckets).
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import accumulate, compress, count, islice, repeat
-from operator import add, ge, gt, itemgetter, lshift, lt, sub
+from itertools import accumulate, chain, compress, count, islice, repeat
+from operator import add, gt, itemgetter, lshift, lt, or_, sub
 from typing import Any
 
 __all__ = ["Session", "next_rows"]
 
 _UPDATED, _BUCKET, _POS = itemgetter(5), itemgetter(0), itemgetter(1)
 _AT = itemgetter(0, 1)
-_HI, _HIGH, _TOP = itemgetter(2), itemgetter(1), itemgetter(0)
-_72, _48 = repeat(72), repeat(48)
-_BUCKETS, _POSITIONS = (1 << 24) - 1, (1 << 48) - 1
+_TIME_BUCKET = itemgetter(5, 0)
+_LO, _HI = itemgetter(1), itemgetter(2)
+_HIGH = itemgetter(1)
+_16 = repeat(16)
+#: a key's bucket bits (a store has at most 65,536 buckets)
+_MASK = (1 << 16) - 1
 #: ``holders(buckets or None)``: ``{bucket: (last position, last pruned, shard)}``.
 Holders = Callable[[set[int] | None], dict[int, tuple[int, int, int]]]
 #: ``read({shard: [(bucket, lo, hi), ...]}, ends)``: the change rows of those
@@ -72,11 +75,12 @@ class Session:
     ends: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     #: of each bucket read: (last position read, running max of updated there)
     read_to: dict[int, tuple[int, int]] = field(default_factory=dict)
-    #: the merge keys of the rows read and not returned, sorted (see _key)
-    pending: list[int] = field(default_factory=list)
-    #: those rows by their key (ints sort faster than (key, row) pairs, and a
-    #: page's rows come out of a dict in C loops)
-    held: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    #: the rows read and not returned, in merge order (equal keys: one
+    #: bucket's rows, in position order)
+    rows: list[tuple[Any, ...]] = field(default_factory=list)
+    #: their merge keys (see _key), or None while each is its row's own
+    #: (:func:`_own`: its bucket's times grew, the normal case)
+    keys: list[int] | None = None
     #: buckets read short of their last position: the least key of the next row
     blocked: list[int] = field(default_factory=list)
     #: of each bucket read: the rows asked the last time
@@ -125,7 +129,7 @@ def _refresh(s: Session, holders: Holders, pruned: Pruned) -> None:
         if at[0] < low:
             pruned(b, at[0], low)
         if top > at[0]:
-            blocked.append(_key(at[1], b, at[0] + 1))
+            blocked.append(_key(at[1], b))
     heapq.heapify(blocked)
 
 
@@ -135,7 +139,7 @@ def next_rows(
     """The next ``limit`` rows (at most) of the session in merge order, and
     the session moved on past them (``s.after``); ``most``: rows read at most
     from one bucket at a time."""
-    if not s.blocked and len(s.pending) < limit:
+    if not s.blocked and len(s.rows) < limit:
         # Every bucket was read to the positions known: read them afresh.
         s.blocked = []
         _refresh(s, holders, pruned)
@@ -153,18 +157,30 @@ def next_rows(
     whole_first = active <= 8 * limit
     stuck: set[int] = set()  # buckets that read nothing twice in this call
     tried: set[int] = set()
-    pending, blocked = s.pending, s.blocked
     while True:
-        n = len(pending) if not blocked else bisect_left(pending, blocked[0])
-        if n >= limit or not blocked:
+        held, keys, blocked = s.rows, s.keys, s.blocked
+        # A row is returned once its key is at most the heap's least: a key
+        # equal to a bound is its bucket's, whose rows read come before its
+        # next one.
+        if not blocked:
+            n = len(held)
+            break
+        n = (
+            bisect_right(held, blocked[0], key=_own)
+            if keys is None
+            else bisect_right(keys, blocked[0])
+        )
+        if n >= limit:
             break
         # The buckets whose next row could sort before the page's last row.
-        target = pending[limit - 1] if len(pending) >= limit else None
+        target = None
+        if len(held) >= limit:
+            target = _own(held[limit - 1]) if keys is None else keys[limit - 1]
         picked: list[int] = []
         kept: list[int] = []
         while blocked and (target is None or blocked[0] < target):
             bound = heapq.heappop(blocked)
-            (kept if (bound >> 48) & _BUCKETS in stuck else picked).append(bound)
+            (kept if bound & _MASK in stuck else picked).append(bound)
         for bound in kept:
             heapq.heappush(blocked, bound)
         if not picked:
@@ -172,19 +188,30 @@ def next_rows(
         short = _fill(s, picked, first, most, whole_first, read)
         if short:
             _recheck(s, short, holders, pruned, tried, stuck)
-    taken = pending[: min(n, limit)]
-    del pending[: len(taken)]
-    rows = list(map(s.held.pop, taken))
+    n = min(n, limit)
+    rows = s.rows[:n]
+    del s.rows[:n]
+    if s.keys is not None:
+        del s.keys[:n]
+        if not s.keys:
+            s.keys = None
     after = dict(s.after)
     after.update(zip(map(_BUCKET, rows), map(_POS, rows), strict=True))  # no pair a row kept
     s.after = after
     return rows
 
 
-def _key(high: int, bucket: int, pos: int) -> int:
-    """A merge key ``(running max of updated, bucket, position)`` as one int
-    (faster to sort than a tuple): buckets below 2**24, positions below 2**48."""
-    return (high << 72) + (bucket << 48) + pos
+def _key(high: int, bucket: int) -> int:
+    """The merge key of a row of ``bucket`` whose running maximum of
+    ``updated`` is ``high``: ``(high, bucket)`` as one int (faster to sort
+    than a tuple); a bucket's rows of one key are kept in position order
+    by a stable sort."""
+    return (high << 16) | bucket
+
+
+def _own(row: tuple[Any, ...]) -> int:
+    """A row's merge key when its running maximum is its own time."""
+    return (row[5] << 16) | row[0]  # type: ignore[no-any-return]
 
 
 def _fill(
@@ -193,14 +220,15 @@ def _fill(
     """Read the next rows of the ``picked`` buckets' heap keys (``first`` the
     first time, then four times as many as the last time, up to ``most``, or
     the rest of the bucket when it is at most twice ``most`` rows, the
-    first time too with ``whole_first``) into ``s.pending`` (in merge order)
+    first time too with ``whole_first``) into ``s.rows`` (in merge order)
     and push those still short of their last position back onto the heap;
     the buckets that read nothing."""
     ends, read_to, sizes = s.ends, s.read_to, s.sizes
     by_shard: dict[int, list[tuple[int, int, int]]] = {}
     asked: list[tuple[int, int, int]] = []
     for bound in picked:
-        b, lo = (bound >> 48) & _BUCKETS, (bound & _POSITIONS)
+        b = bound & _MASK
+        lo = read_to[b][0] + 1
         top, _, shard = ends[b]
         later = b in sizes
         size = sizes[b] = min(most, 4 * sizes[b]) if later else first
@@ -213,113 +241,128 @@ def _fill(
     for ranges in by_shard.values():
         ranges.sort()
     rows = read(by_shard, ends)
+    buckets = list(map(_BUCKET, asked))
+    counts = list(map(sub, map(_HI, asked), map(_LO, asked)))
+    counts = list(map(add, counts, repeat(1)))
+    bs = list(map(_BUCKET, rows))
+    if len(rows) == sum(counts):
+        want = list(chain.from_iterable(map(repeat, buckets, counts)))
+        if bs != want:  # not in (bucket, position) order: shards one after another
+            rows.sort(key=_AT)
+            bs = list(map(_BUCKET, rows))
+        stops = map(add, map(_HI, asked), repeat(1))
+        if bs == want and list(map(_POS, rows)) == list(
+            chain.from_iterable(map(range, map(_LO, asked), stops))
+        ):
+            _fill_whole(s, asked, buckets, counts, rows, bs)
+            return []
+    return _fill_parts(s, asked, rows)
+
+
+def _fill_whole(
+    s: Session,
+    asked: list[tuple[int, int, int]],
+    buckets: list[int],
+    counts: list[int],
+    rows: list[tuple[Any, ...]],
+    bs: list[int],
+) -> None:
+    """:func:`_fill`'s work when every row asked came, in the order asked
+    (the normal case), in C loops while each bucket's times grow from where
+    it was read to."""
+    read_to = s.read_to
+    his = list(map(_HI, asked))
+    firsts = list(accumulate(counts, initial=0))
+    del firsts[-1]
+    lasts = list(map(sub, map(add, firsts, counts), repeat(1)))
+    highs = list(map(_HIGH, map(read_to.__getitem__, buckets)))
+    times = list(map(_UPDATED, rows))
+    # Where `updated` goes back from one row to the next: normally only
+    # from one bucket to the next; then each row's key is its own time.
+    back = _steps(times, gt)
+    if back.issubset(firsts) and not any(map(lt, map(times.__getitem__, firsts), highs)):
+        ktimes = times
+    else:
+        ktimes = []
+        for first, n, high in zip(firsts, counts, highs, strict=True):
+            ktimes += accumulate(times[first : first + n], max, initial=high)
+            del ktimes[-n - 1]
+    tops = list(map(itemgetter(0), map(s.ends.__getitem__, buckets)))
+    new_highs = list(map(ktimes.__getitem__, lasts))
+    read_to.update(zip(buckets, zip(his, new_highs, strict=True), strict=True))
+    more = list(map(lt, his, tops))
+    s.blocked += map(_key, compress(new_highs, more), compress(buckets, more))
+    heapq.heapify(s.blocked)
+    if ktimes is times and s.keys is None:
+        # Each row's key its own: sorted by time alone, a stable sort keeping
+        # the rows' (bucket, position) order; a few added one by one.
+        if not s.rows:
+            rows.sort(key=_UPDATED)
+            s.rows = rows
+        elif 16 * len(rows) <= len(s.rows):
+            for row in rows:
+                insort(s.rows, row, key=_own)
+        else:
+            s.rows += rows
+            s.rows.sort(key=_TIME_BUCKET)
+        return
+    _merge(s, list(map(or_, map(lshift, ktimes, _16), bs)), rows)
+
+
+def _fill_parts(
+    s: Session, asked: list[tuple[int, int, int]], rows: list[tuple[Any, ...]]
+) -> list[int]:
+    """:func:`_fill`'s work when rows asked are missing (pruned, moved, not
+    committed yet): each bucket's rows from the first asked on, up to the
+    first missing; the buckets that read nothing."""
+    rows.sort(key=_AT)
     bs = list(map(_BUCKET, rows))
     ps = list(map(_POS, rows))
-    places = list(map(add, map(lshift, bs, _48), ps))  # (bucket, position) as one int
-    if any(map(ge, places, islice(places, 1, None))):
-        # not in (bucket, position) order, as drivers normally return them
-        rows.sort(key=_AT)
-        bs = list(map(_BUCKET, rows))
-        ps = list(map(_POS, rows))
-        places = list(map(add, map(lshift, bs, _48), ps))
-    times = list(map(_UPDATED, rows))
-    # Where `updated` goes back from one row to the next (C loops): normally
-    # only from one bucket to the next; then each row's key is its own time.
-    back = _steps(times, gt)
-    complete = len(rows) == sum(hi - lo + 1 for _, lo, hi in asked)
-    if complete and _fill_fast(s, asked, rows, places, times, back):
-        return []
+    ends, read_to, blocked = s.ends, s.read_to, s.blocked
     short: list[int] = []
-    spans: list[tuple[int, int, int, int]] = []  # (bucket, first row, end, high before)
-    blocked, at = s.blocked, 0
-    fast = complete
-    for b, lo, hi in asked:
+    keys: list[int] = []
+    kept: list[tuple[Any, ...]] = []
+    at = 0
+    for b, lo, _ in asked:
         high = read_to[b][1]
-        if complete:
-            first, end = at, at + hi - lo + 1  # every row asked came: no gap
-        else:
-            first = end = bisect_left(bs, b, at)
-            while end < len(rows) and bs[end] == b and ps[end] == lo + end - first:
-                end += 1
-            if end == first:
-                short.append(b)
-                heapq.heappush(blocked, _key(high, b, lo))
-                continue
+        first = end = bisect_left(bs, b, at)
+        while end < len(rows) and bs[end] == b and ps[end] == lo + end - first:
+            end += 1
+        if end == first:
+            short.append(b)
+            heapq.heappush(blocked, _key(high, b))
+            continue
         at = end
-        spans.append((b, first, end, high))
-        if times[first] < high or (back and not back.isdisjoint(range(first + 1, end))):
-            fast = False
-            high = max(high, *times[first:end])
-        else:
-            high = times[end - 1]
-        last = ps[end - 1]
+        running = list(accumulate(map(_UPDATED, rows[first:end]), max, initial=high))
+        del running[0]
+        keys += map(_key, running, repeat(b))
+        kept += rows[first:end]
+        high, last = running[-1], ps[end - 1]
         read_to[b] = (last, high)
         if last < ends[b][0]:
-            heapq.heappush(blocked, _key(high, b, last + 1))
-    if fast:  # one pass over every row: each row's key from its own time
-        _hold(s, _row_keys(times, places), rows)
-    else:
-        for _, first, end, high in spans:
-            running = list(accumulate(times[first:end], max, initial=high))[1:]
-            _hold(s, _row_keys(running, places[first:end]), rows[first:end])
-    s.pending.sort()  # ints, no key function: a sorted run and the new keys
+            heapq.heappush(blocked, _key(high, b))
+    _merge(s, keys, kept)
     return short
 
 
-def _hold(s: Session, keys: list[int], rows: list[tuple[Any, ...]]) -> None:
-    """Keep ``rows`` until a page takes them, by their merge ``keys`` (unique:
-    each holds its row's bucket and position); ``s.pending`` to sort after."""
-    s.held.update(zip(keys, rows, strict=True))
-    s.pending += keys
+def _merge(s: Session, keys: list[int], rows: list[tuple[Any, ...]]) -> None:
+    """Add ``rows`` (each bucket's in position order) to those held, by their
+    merge ``keys``: one stable sort of the keys' indexes (a row held before
+    comes before a later one of its bucket and key)."""
+    if s.rows:
+        held = s.keys
+        if held is None:
+            held = list(map(or_, map(lshift, map(_UPDATED, s.rows), _16), map(_BUCKET, s.rows)))
+        keys = held + keys
+        rows = s.rows + rows
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    s.keys = list(map(keys.__getitem__, order))
+    s.rows = list(map(rows.__getitem__, order))
 
 
 def _steps(values: list[int], op: Callable[[int, int], bool]) -> set[int]:
     """The indexes ``i`` where ``op(values[i - 1], values[i])`` (C loops)."""
     return set(compress(count(1), map(op, values, islice(values, 1, None))))
-
-
-def _fill_fast(
-    s: Session,
-    asked: list[tuple[int, int, int]],
-    rows: list[tuple[Any, ...]],
-    places: list[int],
-    times: list[int],
-    back: set[int],
-) -> bool:
-    """:func:`_fill`'s work in C loops when every row asked came (``rows`` in
-    (bucket, position) order) and each bucket's times grow from where it was
-    read to (the normal case); False, and nothing done, otherwise."""
-    buckets = list(map(_BUCKET, asked))
-    his = list(map(_HI, asked))
-    lasts = list(accumulate(map(sub, his, map(_POS, asked)), lambda a, n: a + n + 1, initial=-1))
-    del lasts[0]
-    firsts = [0, *map(add, lasts[:-1], repeat(1))]
-    highs = list(map(_HIGH, map(s.read_to.__getitem__, buckets)))
-    if not back.issubset(firsts) or any(map(lt, map(times.__getitem__, firsts), highs)):
-        return False
-    new_highs = list(map(times.__getitem__, lasts))
-    s.read_to.update(zip(buckets, zip(his, new_highs, strict=True), strict=True))
-    tops = map(_TOP, map(s.ends.__getitem__, buckets))
-    more = list(map(lt, his, tops))
-    s.blocked += _keys(
-        list(compress(new_highs, more)),
-        list(compress(buckets, more)),
-        list(map(add, compress(his, more), repeat(1))),
-    )
-    heapq.heapify(s.blocked)
-    _hold(s, _row_keys(times, places), rows)
-    s.pending.sort()  # ints, no key function: a sorted run and the new keys
-    return True
-
-
-def _keys(highs: list[int], buckets: list[int], positions: list[int]) -> list[int]:
-    """:func:`_key` of each row, in C loops."""
-    return _row_keys(highs, list(map(add, map(lshift, buckets, _48), positions)))
-
-
-def _row_keys(highs: list[int], places: list[int]) -> list[int]:
-    """:func:`_key` of each row from its ``(bucket << 48) + position``, in C loops."""
-    return list(map(add, map(lshift, highs, _72), places))
 
 
 def _recheck(
@@ -338,5 +381,5 @@ def _recheck(
             stuck.add(b)
         tried.add(b)
         if top <= pos:  # nothing after what was read, after all
-            s.blocked[:] = [k for k in s.blocked if (k >> 48) & _BUCKETS != b]
+            s.blocked[:] = [k for k in s.blocked if k & _MASK != b]
             heapq.heapify(s.blocked)
