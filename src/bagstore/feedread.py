@@ -10,7 +10,7 @@ would have at the least.  A page takes the rows that sort before the heap's
 least key; when that is not a page's worth, it reads the next few rows of only
 the buckets whose next row could come before the page's last one (one
 statement a shard), and again until the page is full.  Each row is read once,
-sorted once, and the buckets a page does not reach cost it nothing.
+and the buckets a page does not reach cost it nothing.
 
 Whatever does not go on from the session's end (another cursor, the first
 page, a session left by a failed read) starts a fresh one: the buckets'
@@ -23,8 +23,11 @@ The merge order: by the running maximum of ``updated`` along each bucket
 (from the session's start), then bucket and position, each bucket's rows in
 position order; a page never goes past a bucket's first row not read (its
 key is at least the heap's), so a change it has not read cannot come before
-one it returned.  Keys are one int each (see :func:`_key`; a store has at
-most 65,536 buckets).
+one it returned.  A key is ``(running maximum, bucket)`` as one int (see
+:func:`_key`; a store has at most 65,536 buckets); rows of one key are one
+bucket's, kept in position order by stable sorts.  While every row held is
+keyed by its own time (each bucket's times grow: the normal case), no key is
+kept: the rows read, in (bucket, position) order, are sorted by time alone.
 """
 
 from __future__ import annotations
