@@ -305,7 +305,8 @@ def _fill_whole(
         elif 16 * len(rows) <= len(s.rows):
             for row in rows:
                 insort(s.rows, row, key=_own)
-        else:
+        else:  # two sorted runs, merged by one sort
+            rows.sort(key=_UPDATED)
             s.rows += rows
             s.rows.sort(key=_TIME_BUCKET)
         return
