@@ -37,6 +37,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from bagstore import feedread
@@ -224,7 +225,7 @@ class Feed:
             return sql.ranges_together(self.kind, parts)
 
         parts = self.router.map(on, self._groups(sorted(by_shard)))
-        return parts[0] if len(parts) == 1 else [r for part in parts for r in part]
+        return parts[0] if len(parts) == 1 else list(chain.from_iterable(parts))
 
     def _groups(self, shards: list[int]) -> list[list[int]]:
         """Shards grouped so that one statement reads each group (databases of
