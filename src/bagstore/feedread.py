@@ -271,8 +271,8 @@ def _fill_whole(
     bs: list[int],
 ) -> None:
     """:func:`_fill`'s work when every row asked came, in the order asked
-    (the normal case), in C loops while each bucket's times grow from where
-    it was read to."""
+    (the normal case), in C loops: each row's key its own time while each
+    bucket's times grow from where it was read to, else the running maxima."""
     read_to = s.read_to
     his = list(map(_HI, asked))
     firsts = list(accumulate(counts, initial=0))
@@ -353,6 +353,8 @@ def _merge(s: Session, keys: list[int], rows: list[tuple[Any, ...]]) -> None:
     """Add ``rows`` (each bucket's in position order) to those held, by their
     merge ``keys``: one stable sort of the keys' indexes (a row held before
     comes before a later one of its bucket and key)."""
+    if not rows:
+        return
     if s.rows:
         held = s.keys
         if held is None:
