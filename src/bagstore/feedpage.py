@@ -140,8 +140,12 @@ _BINARY = "~"
 def encode_positions(positions: dict[int, int]) -> str:
     """Positions as compact text: bucket deltas and positions as 64-bit ints,
     zlib, base64 (C loops only, no JSON: a cursor of 1,024 buckets is made
-    at every page)."""
-    buckets = sorted(compress(positions, map(gt, positions.values(), repeat(0))))
+    at every page; a reader keeps its positions in bucket order, which sorts
+    fastest)."""
+    if 0 in positions.values():
+        buckets = sorted(compress(positions, map(gt, positions.values(), repeat(0))))
+    else:
+        buckets = sorted(positions)
     flat = [0] * (2 * len(buckets))
     flat[0::2] = map(sub, buckets, chain((0,), buckets))
     flat[1::2] = map(positions.__getitem__, buckets)

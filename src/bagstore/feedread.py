@@ -199,7 +199,10 @@ def next_rows(
         if not s.keys:
             s.keys = None
     after = dict(s.after)
+    known = len(after)
     after.update(zip(map(_BUCKET, rows), map(_POS, rows), strict=True))  # no pair a row kept
+    if len(after) > known:  # buckets new to it: kept in order (a cursor sorts them)
+        after = dict(sorted(after.items()))
     s.after = after
     return rows
 
