@@ -215,6 +215,11 @@ def _key(high: int, bucket: int) -> int:
     return (high << 16) | bucket
 
 
+def _keys(highs: list[int], buckets: list[int]) -> list[int]:
+    """:func:`_key` of each pair, in C loops."""
+    return list(map(or_, map(lshift, highs, _16), buckets))
+
+
 def _own(row: tuple[Any, ...]) -> int:
     """A row's merge key when its running maximum is its own time."""
     return (row[5] << 16) | row[0]  # type: ignore[no-any-return]
@@ -248,8 +253,7 @@ def _fill(
         ranges.sort()
     rows = read(by_shard, ends)
     buckets = list(map(_BUCKET, asked))
-    counts = list(map(sub, map(_HI, asked), map(_LO, asked)))
-    counts = list(map(add, counts, repeat(1)))
+    counts = [hi - lo + 1 for _, lo, hi in asked]
     bs = list(map(_BUCKET, rows))
     if len(rows) == sum(counts):
         want = list(chain.from_iterable(map(repeat, buckets, counts)))
@@ -313,7 +317,7 @@ def _fill_whole(
             s.rows += rows
             s.rows.sort(key=_TIME_BUCKET)
         return
-    _merge(s, list(map(or_, map(lshift, ktimes, _16), bs)), rows)
+    _merge(s, _keys(ktimes, bs), rows)
 
 
 def _fill_parts(
@@ -361,7 +365,7 @@ def _merge(s: Session, keys: list[int], rows: list[tuple[Any, ...]]) -> None:
     if s.rows:
         held = s.keys
         if held is None:
-            held = list(map(or_, map(lshift, map(_UPDATED, s.rows), _16), map(_BUCKET, s.rows)))
+            held = _keys(list(map(_UPDATED, s.rows)), list(map(_BUCKET, s.rows)))
         keys = held + keys
         rows = s.rows + rows
     order = sorted(range(len(keys)), key=keys.__getitem__)
