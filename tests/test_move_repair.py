@@ -241,6 +241,7 @@ def kill_rounds(topo: Topology, rounds: int, seed: int) -> Counter[str]:
         assert_clean_repair(bagstore.Cleaner(fresh, settle=0).repair())
         verify(fresh, model)
         assert sum(b.count(fresh.kind) for b in fresh.router.backends) == len(model)
+        fresh.close()  # (40 rounds' connections would pass the server's limit)
     assert killed_unfinished > 0, phases  # at least one kill left a move unfinished
     return phases
 

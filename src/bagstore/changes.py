@@ -55,6 +55,10 @@ __all__ = ["Change", "ChangePage", "Feed", "FeedSettings"]
 DEFAULT_MAX_AGE = 7 * 24 * 3600
 #: At most this many changes kept per bucket, whatever the consumers.
 DEFAULT_MAX_CHANGES = 1_000_000
+#: the most ``max_age`` (100 years) and ``max_changes`` a feed takes: kept as
+#: 64-bit ints, the age also in microseconds by the Cleaner
+MOST_MAX_AGE = 100 * 365 * 24 * 3600
+MOST_MAX_CHANGES = 10**15
 MAX_LIMIT = 10_000
 _CURSOR_PREFIX = "c1."
 #: reading sessions kept (one a set of buckets read: a consumer's ranges)
@@ -109,9 +113,14 @@ class Feed:
         """Record every write of the kind from now on (``bodies``: with the new
         body); keep changes ``max_age`` seconds unless every consumer has read
         them, and at most ``max_changes`` per bucket."""
-        for name, value in (("max_age", max_age), ("max_changes", max_changes)):
-            if type(value) is not int or value < 1:
-                raise ConfigurationError(f"{name} must be a positive integer, not {value!r}")
+        for name, value, most in (
+            ("max_age", max_age, MOST_MAX_AGE),
+            ("max_changes", max_changes, MOST_MAX_CHANGES),
+        ):
+            if type(value) is not int or not 1 <= value <= most:
+                raise ConfigurationError(
+                    f"{name} must be an integer from 1 to {most}, not {value!r}"
+                )
         if type(bodies) is not bool:
             raise ConfigurationError(f"bodies must be True or False, not {bodies!r}")
         self.catalog.upsert(
@@ -332,7 +341,11 @@ class Feed:
 
     def _decode(self, cursor: object) -> tuple[dict[int, int], int]:
         """A cursor's positions and epoch, its signature checked."""
-        if not isinstance(cursor, str) or not cursor.startswith(_CURSOR_PREFIX):
+        if (
+            not isinstance(cursor, str)
+            or not cursor.isascii()  # (a signature compares ASCII only)
+            or not cursor.startswith(_CURSOR_PREFIX)
+        ):
             raise InvalidQuery(f"not a change feed cursor: {str(cursor)[:40]!r}")
         body, _, mac = cursor[len(_CURSOR_PREFIX) :].rpartition(".")
         if not hmac.compare_digest(mac, self._mac(body)):

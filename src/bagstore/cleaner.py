@@ -67,7 +67,7 @@ from bagstore.check import iter_index_rows
 from bagstore.errors import ConfigurationError
 from bagstore.index import Index
 from bagstore.owners import Moves, drop_dead_claims, unfinished_moves
-from bagstore.throttle import Throttle, check_pacing
+from bagstore.throttle import Throttle, check_pacing, check_seconds
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
@@ -127,6 +127,8 @@ class Cleaner:
         settle: float | None = None,
     ) -> None:
         check_pacing(FLAT_OUT_BATCH if batch is None else batch, duty, max_rate)
+        if settle is not None:
+            check_seconds("settle", settle)
         self.ds = datastore
         #: where rows go and the retries on a moved bucket (bagstore.sharding.router)
         self.router = datastore.router
@@ -519,6 +521,10 @@ class Cleaner:
         flight and clock skew; every ``sweep_every`` passes also sweeps for rows
         of deleted entities and prunes the change feed (:meth:`prune_changes`).
         ``stop()`` or Ctrl-C ends it."""
+        check_seconds("interval", interval, 0.001)
+        check_seconds("margin", margin)
+        if type(sweep_every) is not int or sweep_every < 1:
+            raise ConfigurationError(f"sweep_every must be a positive integer, not {sweep_every!r}")
         self._stop.clear()
         total = CleanStats()
         since: int | None = None

@@ -13,6 +13,7 @@ import click
 
 from bagstore.changes import Change
 from bagstore.cli import _out, _print_json, _store, cli
+from bagstore.cli_errors import Numbers
 from bagstore.cli_json import dumps_json
 from bagstore.retention import prune_changes
 
@@ -50,7 +51,12 @@ def feed(ctx: click.Context, state: str, bodies: bool, max_age: int, max_changes
 @click.option("--since", help="A cursor printed before: the changes after it.")
 @click.option("--limit", type=int, default=1000, help="Changes per page (default 1000).")
 @click.option("--follow", is_flag=True, help="Keep printing new changes as they commit.")
-@click.option("--interval", type=float, default=0.2, help="Seconds between polls (--follow).")
+@click.option(
+    "--interval",
+    type=Numbers(0.001, 3600),
+    default=0.2,
+    help="Seconds between polls (--follow; 0.001 to 3600).",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON document per line.")
 @click.pass_context
 def changes(

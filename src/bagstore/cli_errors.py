@@ -30,7 +30,27 @@ from click.core import ParameterSource
 from bagstore.cli_json import JsonInputError
 from bagstore.errors import BagstoreError
 
-__all__ = ["BagstoreGroup", "CliError", "Interrupted", "resumable", "shown", "utf8_output"]
+__all__ = [
+    "BagstoreGroup",
+    "CliError",
+    "Interrupted",
+    "Numbers",
+    "resumable",
+    "shown",
+    "utf8_output",
+]
+
+
+class Numbers(click.FloatRange):
+    """click's ``FloatRange`` that refuses NaN as well (no comparison with a
+    bound excludes it): an option's bad number is a usage error (exit 2)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if number != number:
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return number
+
 
 _LINE_BREAKS = {
     ord(c): c.encode("unicode_escape").decode("ascii")

@@ -35,6 +35,7 @@ from bagstore.cli import (
     parse_value,
     resumable,
 )
+from bagstore.cli_errors import Numbers
 from bagstore.cli_json import dumps_json
 from bagstore.cli_progress import Bar, bar
 from bagstore.config import load_config
@@ -49,7 +50,7 @@ def _pacing(duty: float, duty_help: str) -> Callable[[Callable[..., Any]], Calla
 
     def add(fn: Callable[..., Any]) -> Callable[..., Any]:
         fn = click.option(
-            "--duty", type=click.FloatRange(0, 10), default=duty, show_default=True, help=duty_help
+            "--duty", type=Numbers(0, 10), default=duty, show_default=True, help=duty_help
         )(fn)
         return click.option(
             "--max-rate", type=float, default=None, help="At most this many rows per second."
@@ -87,10 +88,16 @@ def _index_state(ds: bagstore.Datastore, name: str, states: tuple[str, ...], why
     "Pause this fraction of each batch's time after it; batches of one server "
     "take turns (0: every shard at once, flat out).",
 )
-@click.option("--interval", default=1.0, show_default=True, help="Seconds between --follow passes.")
+@click.option(
+    "--interval",
+    type=Numbers(0.001, 86400),
+    default=1.0,
+    show_default=True,
+    help="Seconds between --follow passes.",
+)
 @click.option(
     "--settle",
-    type=click.FloatRange(0, 86400),
+    type=Numbers(0, 86400),
     help="Seconds between an index's registration and its backfill's first read "
     "(default: the store's refresh_interval + 1, so that every writer maintains it "
     "by then; 0 when no other process writes).",
@@ -267,7 +274,7 @@ def _move_pacing(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
-_GRACE = click.FloatRange(0, 86400)
+_GRACE = Numbers(0, 86400)
 _GRACE_HELP = "Seconds to keep the source copies for stale readers (default: refresh_interval + 1)."
 
 
@@ -362,7 +369,7 @@ def key_group() -> None:
 @click.option("--shard-key", required=True, help="The property the kind is placed by.")
 @click.option(
     "--wait",
-    type=click.FloatRange(0, 86400),
+    type=Numbers(0, 86400),
     default=None,
     help="Seconds to let processes drop cached directory entries (default: the cache's lifetime).",
 )

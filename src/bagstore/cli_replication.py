@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from bagstore.cli import CliError, _out, _print_json, _store
+from bagstore.cli_errors import Numbers
 from bagstore.cli_ops import shard_group
 from bagstore.sharding.failover import add_replica, failover
 from bagstore.sharding.replicas import servers_status
@@ -31,7 +32,7 @@ log = logging.getLogger("bagstore.replication")
 @click.option("--to", "to", metavar="HOST:PORT", help="The replica to promote.")
 @click.option("--user", default=None, help="Administrative login (default: the shard's own).")
 @click.option("--replication-user", default=None, help="The login replicas use (default: --user).")
-@click.option("--timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
+@click.option("--timeout", type=Numbers(0.1), default=30.0, show_default=True,
               help="Seconds the target may take to catch up.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
@@ -120,11 +121,11 @@ def status_part(ds: Any) -> list[dict[str, Any]]:
 
 
 @shard_group.command("watch")
-@click.option("--interval", type=click.FloatRange(0.05), default=1.0, show_default=True,
+@click.option("--interval", type=Numbers(0.05), default=1.0, show_default=True,
               help="Seconds between probes.")  # fmt: skip
 @click.option("--failures", type=click.IntRange(1), default=3, show_default=True,
               help="Failed probes in a row before a failover.")  # fmt: skip
-@click.option("--lease", type=click.FloatRange(0.1), default=10.0, show_default=True,
+@click.option("--lease", type=Numbers(0.1), default=10.0, show_default=True,
               help="Seconds the lease in the catalog lasts unless renewed.")  # fmt: skip
 @click.option("--user", default=None, help="Administrative login (default: the shard's own).")
 @click.option("--replication-user", default=None, help="The login replicas use.")

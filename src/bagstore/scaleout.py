@@ -56,7 +56,7 @@ from bagstore.catalog import IndexCatalog
 from bagstore.changes import prepare_feeds, sync_bucket_changes
 from bagstore.errors import ConfigurationError
 from bagstore.index import Index
-from bagstore.throttle import Throttle, check_pacing
+from bagstore.throttle import Throttle, check_pacing, check_seconds
 
 if TYPE_CHECKING:
     from bagstore.datastore import Datastore
@@ -136,10 +136,8 @@ class Mover:
                 f"kind {ds.kind!r} is global (one database, never moved): move buckets "
                 "through a datastore of a sharded kind of the store"
             )
-        if grace is not None and (
-            not isinstance(grace, int | float) or isinstance(grace, bool) or grace < 0
-        ):
-            raise ConfigurationError(f"grace must be a number of seconds >= 0, not {grace!r}")
+        if grace is not None:
+            check_seconds("grace", grace)
         self.ds = ds
         self.batch = batch
         self.grace = ds.router.refresh_interval + 1.0 if grace is None else grace

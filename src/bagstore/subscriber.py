@@ -40,6 +40,7 @@ from typing import Any
 from bagstore.changes import Feed
 from bagstore.errors import ConfigurationError, InvalidQuery
 from bagstore.feedpage import Change, decode_positions, encode_positions
+from bagstore.throttle import check_seconds
 
 __all__ = ["Subscriber", "consumer_lags", "drop_consumer", "reset_consumer"]
 
@@ -115,8 +116,7 @@ class Subscriber:
     ) -> None:
         if type(batch) is not int or not 1 <= batch <= 10_000:
             raise ConfigurationError(f"batch must be an integer from 1 to 10000, not {batch!r}")
-        if not isinstance(lease, int | float) or isinstance(lease, bool) or lease <= 0:
-            raise ConfigurationError(f"lease must be a number of seconds > 0, not {lease!r}")
+        check_seconds("lease", lease, 0.001)
         if not callable(handler):
             raise ConfigurationError("handler must be callable (it receives a list of changes)")
         self.feed = feed

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 from bagstore.errors import ConfigurationError
 
-__all__ = ["Throttle", "check_pacing"]
+__all__ = ["Throttle", "check_pacing", "check_seconds"]
 
 
 @dataclass
@@ -69,6 +70,19 @@ def check_pacing(batch: int, duty: float, max_rate: float | None) -> None:
     if not isinstance(duty, int | float) or isinstance(duty, bool) or not 0 <= duty <= 10:
         raise ConfigurationError(f"duty must be a number from 0 to 10, not {duty!r}")
     if max_rate is not None and (
-        not isinstance(max_rate, int | float) or isinstance(max_rate, bool) or max_rate <= 0
+        not isinstance(max_rate, int | float)
+        or isinstance(max_rate, bool)
+        or not 0 < max_rate < math.inf  # (not NaN either)
     ):
         raise ConfigurationError(f"max_rate must be a positive number, not {max_rate!r}")
+
+
+def check_seconds(name: str, value: object, least: float = 0.0, most: float = 86_400.0) -> float:
+    """``value`` as a number of seconds from ``least`` to ``most``: a
+    ConfigurationError naming ``name`` for anything else (NaN, infinities,
+    bools and text included)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not least <= value <= most:
+        raise ConfigurationError(
+            f"{name} must be a number of seconds from {least:g} to {most:g}, not {value!r}"
+        )
+    return float(value)
