@@ -149,6 +149,45 @@ def test_bad_index_declarations(kwargs: dict[str, object], message: str) -> None
         bagstore.Index(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"buckets": True}, "buckets must be an integer"),
+        ({"shard_map": "bogus"}, "shard_map must be one of"),
+        ({"shard_map": None}, "shard_map must be one of"),
+        ({"shard_map": 2**80}, "shard_map must be one of"),
+        ({"shard_map": "directory"}, "needs a shard_key"),
+        ({"refresh_interval": None}, "refresh_interval must be a number of seconds"),
+        ({"refresh_interval": float("nan")}, "refresh_interval must be a number of seconds"),
+        ({"refresh_interval": -1}, "refresh_interval must be a number of seconds"),
+        ({"freeze_wait": float("inf")}, "freeze_wait must be a number of seconds"),
+        ({"freeze_wait": "5"}, "freeze_wait must be a number of seconds"),
+        ({"unique_lease": "2"}, "unique_lease must be a number of seconds"),
+        ({"unique_lease": float("inf")}, "unique_lease must be a number of seconds"),
+        ({"unique_lease": 0}, "unique_lease must be a number of seconds"),
+        ({"sqlite_synchronous": 1}, "synchronous must be one of"),
+        ({"sqlite_synchronous": None}, "synchronous must be one of"),
+        ({"indexes": None}, "indexes must be a list"),
+        ({"indexes": bagstore.Index("t", ["a"])}, "indexes must be a list"),
+        ({"indexes": 5}, "indexes must be a list"),
+    ],
+)
+def test_bad_store_options_are_refused_and_record_nothing(
+    tmp_path: Path, kwargs: dict[str, object], message: str
+) -> None:
+    """Found by hypothesis: ``buckets=True`` was recorded as the store's bucket
+    count (``"True"``: no later open of the store worked), and a kind's
+    unknown ``shard_map`` (or ``"directory"`` without a shard key) was recorded
+    as the kind's before it was refused (no later open of the kind worked);
+    the others raised TypeError, ValueError, AttributeError or OverflowError."""
+    url = f"sqlite:///{tmp_path}/a.db"
+    with pytest.raises(bagstore.ConfigurationError, match=message):
+        bagstore.Datastore([url], **kwargs)  # type: ignore[arg-type]
+    with bagstore.Datastore([url]) as ds:  # the store and its kind open as if never tried
+        ds.put({"n": 1})
+        assert ds.placement.buckets == 1024 and ds.count() == 1
+
+
 def test_bad_kind_name(tmp_path: Path) -> None:
     with pytest.raises(bagstore.ConfigurationError, match="kind"):
         bagstore.open(tmp_path, kind="entities; DROP TABLE x")

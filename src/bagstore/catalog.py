@@ -83,7 +83,7 @@ class Catalog:
 
     def open(self, shard_names: Sequence[str], buckets: int | None) -> Placement:
         """Create or read the placement; check the shards given match the store's."""
-        if buckets is not None and (not isinstance(buckets, int) or not 1 <= buckets <= 65536):
+        if buckets is not None and (type(buckets) is not int or not 1 <= buckets <= 65536):
             raise ConfigurationError(f"buckets must be an integer from 1 to 65536, not {buckets!r}")
         if not shard_names:
             raise ConfigurationError("a datastore needs at least one shard")

@@ -61,6 +61,10 @@ class IndexTables:
 
     @staticmethod
     def check_declared(indexes: Iterable[Any]) -> list[Index]:
+        if isinstance(indexes, str | bytes | Index) or not isinstance(indexes, Iterable):
+            raise ConfigurationError(
+                f"indexes must be a list of bagstore.Index objects, not {indexes!r}"
+            )
         declared = list(indexes)
         for index in declared:
             if not isinstance(index, Index):

@@ -34,6 +34,7 @@ from bagstore import codec, testing
 from bagstore.backends.indexsql import IndexRow
 from bagstore.errors import DuplicateValue
 from bagstore.owners import unfinished_moves
+from bagstore.throttle import check_seconds
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
@@ -78,7 +79,7 @@ class Indexer:
         fetch_many: Callable[[Iterable[bytes]], dict[bytes, Stored]],
     ) -> None:
         self.router = router
-        self.lease_us = int(lease * 1_000_000)
+        self.lease_us = int(check_seconds("unique_lease", lease, 0.001) * 1_000_000)
         #: rows as their shards hold them now (past every cache level)
         self.fetch_many = fetch_many
 

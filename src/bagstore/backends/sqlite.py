@@ -212,7 +212,7 @@ class SQLiteBackend(Backend):
 
     def __init__(self, path: str, *, synchronous: str = "NORMAL", busy_timeout: float = 30.0):
         super().__init__(f"sqlite:///{path}")
-        if synchronous.upper() not in _SYNCHRONOUS:
+        if not isinstance(synchronous, str) or synchronous.upper() not in _SYNCHRONOUS:
             raise ConfigurationError(
                 f"synchronous must be one of {_SYNCHRONOUS}, not {synchronous!r}"
             )

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from bagstore.backends import Backend
     from bagstore.sharding.router import Router
 
-__all__ = ["GLOBAL_SHARD", "check_global", "default_home", "pin_home"]
+__all__ = ["GLOBAL_SHARD", "SHARD_MAPS", "check_global", "default_home", "pin_home"]
 
 #: The shard number a global kind's home is stamped with.
 GLOBAL_SHARD = -1
@@ -35,8 +35,19 @@ GLOBAL_SHARD = -1
 META_PREFIX = "global_home:"
 
 
-def check_global(shard_map: str, shard_key: str | None, global_at: object) -> None:
-    """Refuse options that do not fit together, before anything is recorded."""
+#: how a kind's entities are placed: by a hash of the id or the shard key, by the
+#: directory of shard keys, or in one database (docs/tables.md)
+SHARD_MAPS = ("hash", "directory", "global")
+
+
+def check_global(shard_map: object, shard_key: str | None, global_at: object) -> None:
+    """Refuse a kind's placement options that are not known or do not fit
+    together, before anything is recorded (a kind's map, once recorded, is
+    the kind's for good)."""
+    if not isinstance(shard_map, str) or shard_map not in SHARD_MAPS:
+        raise ConfigurationError(f"shard_map must be one of {SHARD_MAPS}, not {shard_map!r}")
+    if shard_map == "directory" and shard_key is None:
+        raise ConfigurationError("shard_map='directory' needs a shard_key")
     if shard_map == "global":
         if shard_key is not None:
             raise ConfigurationError(

@@ -18,17 +18,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from bagstore import keys
-from bagstore.errors import ConfigurationError, InvalidEntity
+from bagstore.errors import InvalidEntity
 from bagstore.sharding.directory import Directory
 from bagstore.sharding.hashing import bucket_of, buckets_of
+from bagstore.sharding.home import check_global
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
     from bagstore.sharding.router import Router
 
-__all__ = ["SHARD_MAPS", "Placer"]
+__all__ = ["Placer"]
 
-SHARD_MAPS = ("hash", "directory", "global")
 _CACHE = 100_000
 
 
@@ -36,10 +36,7 @@ class Placer:
     """Bucket of entities and ids for one kind of one datastore."""
 
     def __init__(self, router: Router, kind: str, shard_key: str | None, shard_map: str) -> None:
-        if shard_map not in SHARD_MAPS:
-            raise ConfigurationError(f"shard_map must be one of {SHARD_MAPS}, not {shard_map!r}")
-        if shard_map == "directory" and shard_key is None:
-            raise ConfigurationError("shard_map='directory' needs a shard_key")
+        check_global(shard_map, shard_key, None)
         self.router = router
         self.kind = kind
         self.shard_key = shard_key

@@ -35,6 +35,7 @@ from bagstore.backends.pool import in_long_statements, long_statements
 from bagstore.errors import KeyMigrating, Retryable, ShardUnavailable, StalePlacement
 from bagstore.sharding.replicas import records as replica_records
 from bagstore.sharding.topology import ShardOpener, Topology
+from bagstore.throttle import check_seconds
 
 if TYPE_CHECKING:
     from bagstore.backends import Backend
@@ -101,8 +102,8 @@ class Router:
     ) -> None:
         self.catalog = catalog
         self.opener = opener
-        self.refresh_interval = refresh_interval
-        self.freeze_wait = freeze_wait
+        self.refresh_interval = check_seconds("refresh_interval", refresh_interval)
+        self.freeze_wait = check_seconds("freeze_wait", freeze_wait)
         self.on_new_shard: Callable[[Backend], None] = lambda backend: None
         self._parallel_option = parallel
         self._max_workers = max_workers or min(32, 2 * len(backends))
