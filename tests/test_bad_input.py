@@ -188,6 +188,47 @@ def test_bad_store_options_are_refused_and_record_nothing(
         assert ds.placement.buckets == 1024 and ds.count() == 1
 
 
+@pytest.mark.parametrize("bad", [None, 5, 2.5, True, "ab" * 16, b"x" * 16])
+def test_id_lists_that_are_not_lists(seeded: bagstore.Datastore, bad: object) -> None:
+    """Found by hypothesis: TypeError (not iterable) rather than InvalidQuery."""
+    before = _snapshot(seeded)
+    for method in (seeded.get_many, seeded.delete_many):
+        with pytest.raises(bagstore.InvalidQuery, match="takes a list of ids"):
+            method(bad)  # type: ignore[arg-type]
+    assert _snapshot(seeded) == before
+
+
+@pytest.mark.parametrize("bad", [[b"x" * 16], {}, "ab", None])
+def test_other_arguments_of_the_wrong_type(seeded: bagstore.Datastore, bad: object) -> None:
+    """Found by hypothesis: TypeError (unhashable) or AttributeError before."""
+    before = _snapshot(seeded)
+    with pytest.raises(bagstore.InvalidQuery, match="an id must be"):
+        seeded.bucket_of_id(bad)  # type: ignore[arg-type]
+    with pytest.raises(bagstore.InvalidQuery, match=r"takes a bagstore\.Index"):
+        seeded.query_index(bad, {"n": 1})  # type: ignore[arg-type]
+    with pytest.raises(bagstore.ConfigurationError):
+        seeded.sequence("s", block=bad)  # type: ignore[arg-type]
+    if not isinstance(bad, str):
+        with pytest.raises(bagstore.ConfigurationError):
+            seeded.sequence(bad)  # type: ignore[arg-type]
+    if bad is None:
+        with pytest.raises(bagstore.ConfigurationError, match="list of bucket numbers"):
+            seeded.move_buckets(bad, to=0)  # type: ignore[arg-type]
+    assert _snapshot(seeded) == before
+
+
+def test_buckets_to_move_given_as_a_generator_all_move(tmp_path: Path) -> None:
+    """A generator of buckets was read up by the checks and nothing moved."""
+    with bagstore.open(tmp_path, shards=2, buckets=8) as ds:
+        ids = ds.put_many([{"n": n} for n in range(20)])
+        on_0 = ds.placement.buckets_of_shard(0)[:2]
+        with pytest.raises(bagstore.ConfigurationError, match="no bucket True"):
+            ds.move_buckets([True], to=1)  # a bool is not a bucket number
+        ds.move_buckets((b for b in on_0), to=1, grace=0)
+        assert all(ds.placement.shard_of_bucket[b] == 1 for b in on_0)
+        assert [e["n"] for e in ds.get_many(ids)] == list(range(20))  # type: ignore[index]
+
+
 def test_bad_kind_name(tmp_path: Path) -> None:
     with pytest.raises(bagstore.ConfigurationError, match="kind"):
         bagstore.open(tmp_path, kind="entities; DROP TABLE x")

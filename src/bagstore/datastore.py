@@ -48,7 +48,7 @@ from bagstore.sharding.replicas import Replication
 from bagstore.sharding.topology import ShardOpener
 from bagstore.status import shard_counts, store_status
 from bagstore.subscriber import Handler, Subscriber
-from bagstore.writes import Writes, check_id
+from bagstore.writes import Writes, check_id, check_ids
 
 __all__ = ["SQLITE_SHARD_FILE", "DataStore", "Datastore", "open"]
 
@@ -217,7 +217,7 @@ class Datastore:
 
     def bucket_of_id(self, entity_id: bytes) -> int | None:
         """The bucket holding an entity (None if this kind does not know the id)."""
-        for bucket in self.placer.group([entity_id]):
+        for bucket in self.placer.group([check_id(entity_id, InvalidQuery)]):
             return bucket
         return None
 
@@ -324,9 +324,7 @@ class Datastore:
 
     def delete_many(self, ids: Iterable[bytes]) -> int:
         """Delete many entities (shards in parallel); return how many existed."""
-        if isinstance(ids, bytes):
-            raise InvalidQuery("delete_many takes a list of ids, not one id")
-        return self._writes.delete([check_id(i, InvalidQuery) for i in ids])
+        return self._writes.delete(check_ids(ids, "delete_many"))
 
     # -- change feed (bagstore.changes, bagstore.subscriber) ------------------------
     @cached_property
@@ -359,9 +357,7 @@ class Datastore:
     ) -> list[dict[str, Any] | None]:
         """Entities in the order asked (None where missing); one query per shard,
         shards in parallel.  An id asked twice gives two separate dicts."""
-        if isinstance(ids, bytes):
-            raise InvalidQuery("get_many takes a list of ids, not one id")
-        return self._reads.get_many([check_id(i, InvalidQuery) for i in ids], read_from)
+        return self._reads.get_many(check_ids(ids, "get_many"), read_from)
 
     def fetch_many(self, ids: Iterable[bytes]) -> dict[bytes, Stored]:
         """``{id: Stored}`` (body, version, ``updated``) of the ids that exist, as
@@ -485,6 +481,8 @@ class Datastore:
         :mod:`bagstore.ids.sequence`); ``.next()`` and ``.next_many(n)``."""
         from bagstore.ids.sequence import open_sequence
 
+        if not (isinstance(name, str) and type(block) is type(start) is int):
+            return open_sequence(self, name, block=block, start=start)  # (it names what is wrong)
         key = (name, block, start)
         if key not in self._sequences:
             self._sequences[key] = open_sequence(self, name, block=block, start=start)

@@ -47,6 +47,8 @@ class Queries:
         allow_partial: bool = False,
     ) -> QueryResult:
         """Run a query through one index (``Index.get_all`` calls this)."""
+        if not isinstance(index, Index):
+            raise InvalidQuery(f"query_index takes a bagstore.Index, not {index!r}")
         registry = self.tables.registry()
         state = registry.state(index.table)
         if state is None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -241,10 +241,13 @@ class Mover:
     # -- moves -----------------------------------------------------------------------
     def move(self, buckets: Sequence[int], to: int | str) -> MoveStats:
         """Move buckets to a shard (a number or a name), one bucket at a time."""
+        if isinstance(buckets, str | bytes) or not isinstance(buckets, Iterable):
+            raise ConfigurationError(f"buckets must be a list of bucket numbers, not {buckets!r}")
+        buckets = list(buckets)  # (a generator is read once)
         target = self._target(to)
         count = self.ds.placement.buckets
         for b in buckets:
-            if not isinstance(b, int) or not 0 <= b < count:
+            if type(b) is not int or not 0 <= b < count:
                 raise ConfigurationError(f"no bucket {b!r} (buckets are 0 to {count - 1})")
         unfinished = self.ds.catalog.moves()
         for b in buckets:

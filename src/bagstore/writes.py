@@ -41,6 +41,7 @@ from bagstore.errors import (
     BackendError,
     BagstoreError,
     InvalidEntity,
+    InvalidQuery,
     ShardTimeout,
 )
 from bagstore.ids import new_id
@@ -70,6 +71,14 @@ def check_id(entity_id: object, error: type[BagstoreError]) -> bytes:
     if len(entity_id) != 16:
         raise error(f"an id must be 16 bytes, got {len(entity_id)}")
     return entity_id
+
+
+def check_ids(ids: object, what: str) -> list[bytes]:
+    """``ids`` (an iterable of 16-byte ids) as a list, else InvalidQuery
+    naming the method ``what``."""
+    if isinstance(ids, bytes | str) or not isinstance(ids, Iterable):
+        raise InvalidQuery(f"{what} takes a list of ids, not {type(ids).__name__}")
+    return [check_id(i, InvalidQuery) for i in ids]
 
 
 class Writes(RowAlone):
