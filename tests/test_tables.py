@@ -62,6 +62,25 @@ def test_every_field_type_round_trips(photos: bagstore.Table[Photo]) -> None:
     assert photos.ds.get(id_of_pk(row.photo_id))["posted_date"] == date(2010, 6, 2)
 
 
+def test_a_rows_key_cannot_change(photos: bagstore.Table[Photo]) -> None:
+    """Found by hypothesis: a loaded row whose key was set to another row's
+    was written over that row when both were written together (one version):
+    update and delete were conditional on the old row's version only."""
+    ds = photos.ds
+    ds.put_many(
+        [{"id": id_of_pk(pk), "photo_id": pk, "user_id": 1, "title": f"t{pk}"} for pk in (100, 101)]
+    )
+    assert ds.get_with_version(id_of_pk(100))[1] == ds.get_with_version(id_of_pk(101))[1]  # type: ignore[index]
+    for write in (photos.update, photos.delete):
+        row = photos.load(1, 100)
+        assert row is not None
+        row.photo_id = 101
+        with pytest.raises(InvalidEntity, match="key photo_id cannot change"):
+            write(row)
+    rows = [photos.load(1, pk) for pk in (100, 101)]
+    assert [(p.photo_id, p.title) for p in rows if p] == [(100, "t100"), (101, "t101")]
+
+
 def test_insert_load_update_delete_fetch(photos: bagstore.Table[Photo]) -> None:
     a = photos.insert(photos.new(user_id=1, title="Workforme", posted_date=date(2010, 7, 1)))
     b = photos.insert(Photo(user_id=1, title="old", posted_date=date(2010, 5, 1)))

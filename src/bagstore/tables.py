@@ -230,6 +230,7 @@ class Table(Generic[M]):
         pk = values[self._pk]
         if pk is None:
             raise InvalidEntity(f"{self.model.__name__}: update of a row never inserted")
+        self._same_key(row, pk)
         entity_id = id_of_pk(pk)
         before = row._stored or {}
         changed = {
@@ -254,6 +255,7 @@ class Table(Generic[M]):
         self._check_model(row)
         if row.pk is None:
             return False
+        self._same_key(row, row.pk)
         done = _delete_expecting_version(self.ds, id_of_pk(row.pk), row._version)
         row._stored, row._version = None, None
         return done
@@ -279,6 +281,17 @@ class Table(Generic[M]):
     def _check_model(self, row: object) -> None:
         if type(row) is not self.model:
             raise InvalidEntity(f"a {self.model.__name__} table stores {self.model.__name__} rows")
+
+    def _same_key(self, row: M, pk: object) -> None:
+        """Refuse a row whose key was changed since it was read or written: its
+        version is the old row's, which another row may share (rows written
+        together): the write or delete would reach that other row."""
+        stored = row._stored
+        if stored is not None and self._pk in stored and not _same(stored[self._pk], pk):
+            raise InvalidEntity(
+                f"{self.model.__name__}: a row's key {self._pk} cannot change (from "
+                f"{stored[self._pk]!r} to {pk!r}); insert a new row and delete this one"
+            )
 
     def _bucket_of_row(self, values: Mapping[str, Any]) -> int:
         """The bucket a row's entity lives in (for a versioned read)."""
