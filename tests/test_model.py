@@ -1,0 +1,220 @@
+"""The store against a model (hypothesis, stateful): random puts, ``put_many``,
+deletes, ``update``, conditional writes right and wrong, and bucket moves on one
+kind, written by one datastore; after every step, it and a second datastore
+sharing its cache give what a dict gives (``get_many``), an index query lists
+exactly the model's matches, each id's version grew with each write, and the
+change feed, read on from the last step's cursor, ends each id on its last write
+with the versions of its puts rising.
+
+SQLite with the in-process cache, MariaDB with Redis; each run of the machine
+on a kind of its own in one store.  A few runs here (fixed seed);
+``BAGSTORE_MODEL_RUNS=N`` runs N on each backend (``-m soak`` runs 100)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+import bagstore
+from bagstore.errors import Conflict
+from tests import servers
+from tests.conftest import Topology, _need
+
+BUCKETS = 8
+VALUES = range(3)
+
+
+class Store(RuleBasedStateMachine):
+    """One kind of the store, the model beside it."""
+
+    opened: tuple[bagstore.Datastore, bagstore.Datastore]  # set per run (below)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.r = self.opened
+        self.model: dict[bytes, dict[str, Any]] = {}  # id -> body, of the entities there
+        self.version: dict[bytes, int] = {}  # id -> its last version (a delete: the removed)
+        self.gone: set[bytes] = set()
+        self.cursor: str | None = None
+        self.fed: dict[bytes, tuple[str, int]] = {}  # id -> its last change read
+
+    ids = Bundle("ids")
+
+    def _wrote(self, entity_id: bytes, body: dict[str, Any]) -> None:
+        found = self.w.get_with_version(entity_id)
+        assert found is not None
+        stored, version = found
+        assert stored == {**body, "id": entity_id}
+        assert version > self.version.get(entity_id, 0)  # versions never go back (#12)
+        self.model[entity_id] = stored
+        self.version[entity_id] = version
+        self.gone.discard(entity_id)
+
+    def _deleted(self, entity_id: bytes) -> None:
+        del self.model[entity_id]
+        self.gone.add(entity_id)
+
+    @rule(target=ids, n=st.sampled_from(VALUES))
+    def put_new(self, n: int) -> bytes:
+        entity_id = self.w.put({"n": n})
+        self._wrote(entity_id, {"n": n})
+        return entity_id
+
+    @rule(entity_id=ids, n=st.sampled_from(VALUES))
+    def put_again(self, entity_id: bytes, n: int) -> None:
+        self.w.put({"id": entity_id, "n": n})  # (a deleted one comes back)
+        self._wrote(entity_id, {"n": n})
+
+    @rule(chosen=st.lists(ids, min_size=1, max_size=4, unique=True), n=st.sampled_from(VALUES))
+    def put_many(self, chosen: list[bytes], n: int) -> None:
+        assert self.w.put_many([{"id": i, "n": n} for i in chosen]) == chosen
+        for entity_id in chosen:
+            self._wrote(entity_id, {"n": n})
+
+    @rule(entity_id=ids)
+    def delete(self, entity_id: bytes) -> None:
+        assert self.w.delete(entity_id) is (entity_id in self.model)
+        if entity_id in self.model:
+            self._deleted(entity_id)
+
+    @rule(chosen=st.lists(ids, min_size=1, max_size=4, unique=True))
+    def delete_many(self, chosen: list[bytes]) -> None:
+        there = [i for i in chosen if i in self.model]
+        assert self.w.delete_many(chosen) == len(there)
+        for entity_id in there:
+            self._deleted(entity_id)
+
+    @rule(entity_id=ids)
+    def update(self, entity_id: bytes) -> None:
+        def bump(e: dict[str, Any] | None) -> dict[str, Any] | None:
+            return None if e is None else {**e, "n": (e["n"] + 1) % len(VALUES)}
+
+        before = self.model.get(entity_id)
+        got = self.w.update(entity_id, bump)
+        if before is None:
+            assert got is None
+        else:
+            self._wrote(entity_id, {"n": (before["n"] + 1) % len(VALUES)})
+
+    @rule(entity_id=ids, off=st.sampled_from([-1, 1]), delete=st.booleans())
+    def conditional_wrong(self, entity_id: bytes, off: int, delete: bool) -> None:
+        version = self.version[entity_id] if entity_id in self.model else 0
+        with pytest.raises(Conflict):
+            if delete:
+                self.w.delete(entity_id, expect_version=max(1, version + off))
+            else:
+                self.w.put({"id": entity_id, "n": 0}, expect_version=max(0, version + off) or 1)
+
+    @rule(entity_id=ids, n=st.sampled_from(VALUES), delete=st.booleans())
+    def conditional_right(self, entity_id: bytes, n: int, delete: bool) -> None:
+        version = self.version[entity_id] if entity_id in self.model else 0
+        if delete and version:
+            assert self.w.delete(entity_id, expect_version=version) is True
+            self._deleted(entity_id)
+        else:
+            self.w.put({"id": entity_id, "n": n}, expect_version=version)
+            self._wrote(entity_id, {"n": n})
+
+    @rule(bucket=st.integers(0, BUCKETS - 1))
+    def move(self, bucket: int) -> None:
+        shards = len(self.w.shards)
+        here = self.w.placement.shard_of_bucket[bucket]
+        self.w.move_buckets([bucket], to=(here + 1) % shards, grace=0)
+
+    @invariant()
+    def reads_agree(self) -> None:
+        asked = sorted(self.model) + sorted(self.gone)
+        want = [self.model.get(i) for i in asked]
+        for ds in (self.w, self.r):
+            assert ds.get_many(asked) == want
+            for n in VALUES:
+                found = {e["id"] for e in ds.query(n=n)}
+                assert found == {i for i, e in self.model.items() if e["n"] == n}
+
+    @invariant()
+    def feed_agrees(self) -> None:
+        while True:
+            page = self.w.changes(since=self.cursor, limit=50)
+            self.cursor = page.cursor
+            for c in page:
+                last = self.fed.get(c.id)
+                if c.op == "put":
+                    assert last is None or c.version > last[1], (c, last)
+                    assert c.entity == self.model.get(c.id) or c.version < self.version[c.id]
+                else:
+                    assert last is not None and last == ("put", c.version), (c, last)
+                self.fed[c.id] = (c.op, c.version)
+            if not page:
+                break
+        for entity_id, version in self.version.items():
+            op = "put" if entity_id in self.model else "delete"
+            assert self.fed[entity_id] == (op, version)
+
+    def teardown(self) -> None:
+        self.w.close()
+        self.r.close()
+
+
+_kinds = itertools.count()
+
+
+def test_the_store_behaves_as_its_model(topo: Topology) -> None:
+    _check_model(topo, 4 if topo.is_mysql else 10)
+
+
+@pytest.mark.soak
+def test_the_store_behaves_as_its_model_soak(
+    topo: Topology, request: pytest.FixtureRequest
+) -> None:
+    if os.environ.get("BAGSTORE_SOAK") != "1" and "soak" not in (
+        request.config.getoption("markexpr") or ""
+    ):
+        pytest.skip("soak test: run with -m soak or BAGSTORE_SOAK=1")
+    _check_model(topo, 100)
+
+
+def _check_model(topo: Topology, runs: int) -> None:
+    examples = int(os.environ.get("BAGSTORE_MODEL_RUNS", runs))
+    if topo.is_mysql:
+        _need(servers.redis_reachable())
+        cache = servers.REDIS_URL
+    else:
+        cache = f"memory://model{next(_kinds)}"
+
+    class Run(Store):
+        def __init__(self) -> None:
+            kind = f"model{next(_kinds)}"
+            options: dict[str, Any] = {
+                "kind": kind,
+                "buckets": BUCKETS,
+                "indexes": [bagstore.Index(f"{kind}_by_n", ["n"])],  # (index names: the store's)
+                "cache": cache,
+            }
+            writer = topo.open(**options)
+            writer.feed.enable(bodies=True)
+            self.opened = (writer, topo.open(**options))
+            super().__init__()
+
+    run_state_machine_as_test(
+        Run,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=20,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+        ),
+    )
