@@ -34,12 +34,14 @@ from tests.conftest import Topology, _need
 
 BUCKETS = 8
 VALUES = range(3)
+pairs = st.tuples(st.sampled_from(VALUES), st.sampled_from("abc"))  # n, and u (a shard key)
 
 
 class Store(RuleBasedStateMachine):
     """One kind of the store, the model beside it."""
 
     opened: tuple[bagstore.Datastore, bagstore.Datastore]  # set per run (below)
+    keyed = False  # placed by the shard key u (an entity moves with it) rather than the id
 
     def __init__(self) -> None:
         super().__init__()
@@ -62,26 +64,30 @@ class Store(RuleBasedStateMachine):
         self.version[entity_id] = version
         self.gone.discard(entity_id)
 
+    def _body(self, nu: tuple[int, str]) -> dict[str, Any]:
+        return {"n": nu[0], "u": nu[1]} if self.keyed else {"n": nu[0]}
+
     def _deleted(self, entity_id: bytes) -> None:
         del self.model[entity_id]
         self.gone.add(entity_id)
 
-    @rule(target=ids, n=st.sampled_from(VALUES))
-    def put_new(self, n: int) -> bytes:
-        entity_id = self.w.put({"n": n})
-        self._wrote(entity_id, {"n": n})
+    @rule(target=ids, nu=pairs)
+    def put_new(self, nu: tuple[int, str]) -> bytes:
+        entity_id = self.w.put(self._body(nu))
+        self._wrote(entity_id, self._body(nu))
         return entity_id
 
-    @rule(entity_id=ids, n=st.sampled_from(VALUES))
-    def put_again(self, entity_id: bytes, n: int) -> None:
-        self.w.put({"id": entity_id, "n": n})  # (a deleted one comes back)
-        self._wrote(entity_id, {"n": n})
+    @rule(entity_id=ids, nu=pairs)
+    def put_again(self, entity_id: bytes, nu: tuple[int, str]) -> None:
+        self.w.put({"id": entity_id, **self._body(nu)})  # (a deleted one comes back)
+        self._wrote(entity_id, self._body(nu))
 
-    @rule(chosen=st.lists(ids, min_size=1, max_size=4, unique=True), n=st.sampled_from(VALUES))
-    def put_many(self, chosen: list[bytes], n: int) -> None:
-        assert self.w.put_many([{"id": i, "n": n} for i in chosen]) == chosen
-        for entity_id in chosen:
-            self._wrote(entity_id, {"n": n})
+    @rule(chosen=st.lists(st.tuples(ids, pairs), min_size=1, max_size=4, unique_by=lambda t: t[0]))
+    def put_many(self, chosen: list[tuple[bytes, tuple[int, str]]]) -> None:
+        written = self.w.put_many([{"id": i, **self._body(nu)} for i, nu in chosen])
+        assert written == [i for i, _ in chosen]
+        for entity_id, nu in chosen:
+            self._wrote(entity_id, self._body(nu))
 
     @rule(entity_id=ids)
     def delete(self, entity_id: bytes) -> None:
@@ -106,7 +112,8 @@ class Store(RuleBasedStateMachine):
         if before is None:
             assert got is None
         else:
-            self._wrote(entity_id, {"n": (before["n"] + 1) % len(VALUES)})
+            body = {k: v for k, v in before.items() if k != "id"}
+            self._wrote(entity_id, {**body, "n": (before["n"] + 1) % len(VALUES)})
 
     @rule(entity_id=ids, off=st.sampled_from([-1, 1]), delete=st.booleans())
     def conditional_wrong(self, entity_id: bytes, off: int, delete: bool) -> None:
@@ -115,17 +122,18 @@ class Store(RuleBasedStateMachine):
             if delete:
                 self.w.delete(entity_id, expect_version=max(1, version + off))
             else:
-                self.w.put({"id": entity_id, "n": 0}, expect_version=max(0, version + off) or 1)
+                body = {"id": entity_id, **self._body((0, "a"))}
+                self.w.put(body, expect_version=max(0, version + off) or 1)
 
-    @rule(entity_id=ids, n=st.sampled_from(VALUES), delete=st.booleans())
-    def conditional_right(self, entity_id: bytes, n: int, delete: bool) -> None:
+    @rule(entity_id=ids, nu=pairs, delete=st.booleans())
+    def conditional_right(self, entity_id: bytes, nu: tuple[int, str], delete: bool) -> None:
         version = self.version[entity_id] if entity_id in self.model else 0
         if delete and version:
             assert self.w.delete(entity_id, expect_version=version) is True
             self._deleted(entity_id)
         else:
-            self.w.put({"id": entity_id, "n": n}, expect_version=version)
-            self._wrote(entity_id, {"n": n})
+            self.w.put({"id": entity_id, **self._body(nu)}, expect_version=version)
+            self._wrote(entity_id, self._body(nu))
 
     @rule(bucket=st.integers(0, BUCKETS - 1))
     def move(self, bucket: int) -> None:
@@ -170,8 +178,9 @@ class Store(RuleBasedStateMachine):
 _kinds = itertools.count()
 
 
-def test_the_store_behaves_as_its_model(topo: Topology) -> None:
-    _check_model(topo, 4 if topo.is_mysql else 10)
+@pytest.mark.parametrize("keyed", [False, True], ids=["by-id", "by-shard-key"])
+def test_the_store_behaves_as_its_model(topo: Topology, keyed: bool) -> None:
+    _check_model(topo, 3 if topo.is_mysql else 8, keyed)
 
 
 @pytest.mark.soak
@@ -182,10 +191,11 @@ def test_the_store_behaves_as_its_model_soak(
         request.config.getoption("markexpr") or ""
     ):
         pytest.skip("soak test: run with -m soak or BAGSTORE_SOAK=1")
-    _check_model(topo, 100)
+    _check_model(topo, 100, False)
+    _check_model(topo, 100, True)
 
 
-def _check_model(topo: Topology, runs: int) -> None:
+def _check_model(topo: Topology, runs: int, keyed: bool) -> None:
     examples = int(os.environ.get("BAGSTORE_MODEL_RUNS", runs))
     if topo.is_mysql:
         _need(servers.redis_reachable())
@@ -195,12 +205,14 @@ def _check_model(topo: Topology, runs: int) -> None:
 
     class Run(Store):
         def __init__(self) -> None:
+            self.keyed = keyed
             kind = f"model{next(_kinds)}"
             options: dict[str, Any] = {
                 "kind": kind,
                 "buckets": BUCKETS,
                 "indexes": [bagstore.Index(f"{kind}_by_n", ["n"])],  # (index names: the store's)
                 "cache": cache,
+                "shard_key": "u" if keyed else None,
             }
             writer = topo.open(**options)
             writer.feed.enable(bodies=True)
