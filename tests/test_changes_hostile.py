@@ -18,20 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bagstore
 from bagstore.changes import MOST_MAX_AGE, MOST_MAX_CHANGES, FeedSettings
+from tests.test_cli_hostile import FAST as HOSTILE
 from tests.test_cli_hostile import Cli, any_char, assert_one_error, check_result
 
-FAST = settings(
-    max_examples=150,
-    deadline=None,
-    database=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+FAST = settings(HOSTILE, max_examples=150)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +65,7 @@ def test_any_value_as_a_cursor_is_invalid_query(fed: Any, value: object) -> None
     if value == page.cursor:
         return
     with pytest.raises(bagstore.InvalidQuery):
-        ds.changes(since=value)  # type: ignore[arg-type]
+        ds.changes(since=value)
 
 
 @FAST
@@ -131,7 +126,7 @@ def test_retention_at_its_bounds_is_taken(tmp_path: Path) -> None:
 def test_a_lease_out_of_range_is_refused(fed: Any, lease: object) -> None:
     ds, _ = fed
     with pytest.raises(bagstore.ConfigurationError, match="lease must be a number of seconds"):
-        ds.subscribe("leaser", lambda changes: None, lease=lease)  # type: ignore[arg-type]
+        ds.subscribe("leaser", lambda changes: None, lease=lease)
 
 
 def test_seconds_and_rates_of_the_cleaner_and_mover_refuse_nan_and_infinities(fed: Any) -> None:
