@@ -1,5 +1,6 @@
 """Pacing of bulk work (the Cleaner's backfill and repair, the Mover's copies):
-:class:`Throttle` and :func:`check_pacing`."""
+:class:`Throttle` and :func:`check_pacing`; and :func:`check_seconds`, the
+check of every option given in seconds (waits, leases, intervals)."""
 
 from __future__ import annotations
 
