@@ -51,6 +51,15 @@ class Store(RuleBasedStateMachine):
         self.gone: set[bytes] = set()
         self.cursor: str | None = None
         self.fed: dict[bytes, tuple[str, int]] = {}  # id -> its last change read
+        self.every: list[bagstore.Change] = []  # every change read, in order
+        self.handled: list[bagstore.Change] = []  # what the consumer's handler got
+        self.failing = False
+        self.consumer = self.w.subscribe(self.w.kind, self._handle, batch=3, lease=30.0)
+
+    def _handle(self, changes: list[bagstore.Change]) -> None:
+        if self.failing:
+            raise RuntimeError("the handler fails (its batch comes again)")
+        self.handled += changes
 
     ids = Bundle("ids")
 
@@ -141,6 +150,16 @@ class Store(RuleBasedStateMachine):
         here = self.w.placement.shard_of_bucket[bucket]
         self.w.move_buckets([bucket], to=(here + 1) % shards, grace=0)
 
+    @rule(fail=st.booleans())
+    def consume(self, fail: bool) -> None:
+        self.failing = fail
+        try:
+            self.consumer.poll()
+        except RuntimeError:
+            assert fail
+        finally:
+            self.failing = False
+
     @invariant()
     def reads_agree(self) -> None:
         asked = sorted(self.model) + sorted(self.gone)
@@ -164,6 +183,7 @@ class Store(RuleBasedStateMachine):
                 else:
                     assert last is not None and last == ("put", c.version), (c, last)
                 self.fed[c.id] = (c.op, c.version)
+            self.every += page
             if not page:
                 break
         for entity_id, version in self.version.items():
@@ -171,8 +191,30 @@ class Store(RuleBasedStateMachine):
             assert self.fed[entity_id] == (op, version)
 
     def teardown(self) -> None:
-        self.w.close()
-        self.r.close()
+        """The consumer, drained, handled every change, each bucket's in the
+        feed's order; applied as docs/changes.md says (a change only if its
+        version is higher than the one held, a delete's at least as high),
+        what it handled ends where the store is."""
+        try:
+            self.feed_agrees()
+            while self.consumer.poll():
+                pass
+            assert set(self.every) <= set(self.handled)
+            firsts = list(dict.fromkeys(self.handled))
+            for b in range(BUCKETS):
+                assert [c for c in firsts if c.bucket == b] == [
+                    c for c in self.every if c.bucket == b
+                ]
+            held: dict[bytes, tuple[str, int]] = {}
+            for c in self.handled:
+                version = held.get(c.id, ("", 0))[1]
+                if c.version > version or (c.op == "delete" and c.version == version):
+                    held[c.id] = (c.op, c.version)
+            assert held == self.fed
+        finally:
+            self.consumer.close()
+            self.w.close()
+            self.r.close()
 
 
 _kinds = itertools.count()
