@@ -108,6 +108,25 @@ def test_bad_urls(url: str, message: str) -> None:
         bagstore.Datastore([url])
 
 
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        ("index = 5", "array of tables"),
+        ("index = true", "array of tables"),
+        ("index = 2010-07-01", "array of tables"),
+        ('[bagstore.index]\ntable = "t"\nproperties = ["n"]', "array of tables"),
+        ("index = [5]", "must be a table"),
+    ],
+)
+def test_a_config_whose_indexes_are_not_tables(tmp_path: Path, index: str, message: str) -> None:
+    """Found by hypothesis: TypeError (not iterable) before."""
+    config = tmp_path / "bagstore.toml"
+    config.write_text(f'[bagstore]\npath = "data"\n{index}\n')
+    with pytest.raises(bagstore.ConfigurationError, match=message):
+        bagstore.Datastore.from_config(config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bagstore.toml"]  # nothing made
+
+
 @pytest.mark.parametrize("value", ["5", "true", '""', "[1]"])
 def test_a_config_path_that_is_not_a_directory_name(tmp_path: Path, value: str) -> None:
     config = tmp_path / "bagstore.toml"

@@ -94,7 +94,13 @@ def indexes_from_config(section: dict[str, Any]) -> list[Any]:
     from bagstore.index import Index
 
     out = []
-    for spec in section.get("index", []):
+    specs = section.get("index", [])
+    if not isinstance(specs, list):
+        raise ConfigurationError(
+            "indexes are declared as [[bagstore.index]] tables (an array of tables), "
+            f"not index = {specs!r}"
+        )
+    for spec in specs:
         if not isinstance(spec, dict):
             raise ConfigurationError("each [[bagstore.index]] must be a table")
         try:
