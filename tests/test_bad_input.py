@@ -136,6 +136,15 @@ def test_a_config_path_that_is_not_a_directory_name(tmp_path: Path, value: str) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bagstore.toml"]  # nothing made
 
 
+@pytest.mark.parametrize("shards", [0, 257, 2**62, True, 2.0, "4"])
+def test_a_sqlite_store_of_too_many_or_no_files(tmp_path: Path, shards: object) -> None:
+    """Found by hypothesis: shards=2**62 built a list of that many file names
+    (the process ran out of memory)."""
+    with pytest.raises(bagstore.ConfigurationError, match="from 1 to 256"):
+        bagstore.open(tmp_path / "store", shards=shards)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []  # nothing made
+
+
 def test_bad_shard_lists(tmp_path: Path) -> None:
     with pytest.raises(bagstore.ConfigurationError, match="at least one"):
         bagstore.Datastore([])

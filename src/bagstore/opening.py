@@ -127,6 +127,10 @@ def check_body_capacity(backend: Backend, max_body_bytes: int) -> None:
         )
 
 
+#: the most files an embedded store is made with (they share one machine's disk)
+MOST_SQLITE_SHARDS = 256
+
+
 def sqlite_store(path: str | os.PathLike[str], shards: int | None) -> tuple[str, list[str]]:
     """The directory (created if missing) and the shard URLs of the embedded
     store at ``path``: ``shards`` files for a new store (default 4); an
@@ -135,10 +139,11 @@ def sqlite_store(path: str | os.PathLike[str], shards: int | None) -> tuple[str,
     from bagstore.backends.sqlite import SQLiteBackend
 
     root = os.fspath(path)
-    if shards is not None and (
-        not isinstance(shards, int) or isinstance(shards, bool) or shards < 1
-    ):
-        raise ConfigurationError(f"shards must be a positive integer, not {shards!r}")
+    if shards is not None and (type(shards) is not int or not 1 <= shards <= MOST_SQLITE_SHARDS):
+        raise ConfigurationError(
+            f"shards must be an integer from 1 to {MOST_SQLITE_SHARDS} (SQLite files), "
+            f"not {shards!r}"
+        )
     os.makedirs(root, exist_ok=True)
     first = os.path.join(root, SQLITE_SHARD_FILE.format(0))
     existing: int | None = None
