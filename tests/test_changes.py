@@ -185,6 +185,33 @@ def test_entity_moved_to_another_bucket_records_one_put(topo: Topology) -> None:
     assert [c.op for c in changes] == ["put", "put", "delete"]
 
 
+def test_a_key_migration_records_no_delete(topo: Topology) -> None:
+    """Found by the model test (test_model.py): the old copies' deletion after
+    a key migration to another shard recorded a delete with the version of
+    the put recorded in the new bucket (a consumer applying it lost the
+    entity); within one shard the migration records nothing."""
+    photos = topo.open(
+        kind="photos", shard_key="user_id", shard_map="directory", buckets=8, refresh_interval=0
+    )
+    photos.feed.enable()
+    ids = photos.put_many([{"user_id": "u1", "n": n} for n in range(3)])
+    home = photos.bucket_of_id(ids[0])
+    assert home is not None
+    shard_of = photos.placement.shard_of_bucket
+    near = next(b for b in range(8) if b != home and shard_of[b] == shard_of[home])
+    far = next(b for b in range(8) if shard_of[b] != shard_of[home])
+    stamps = [photos.get_with_version(i)[1] for i in ids]  # type: ignore[index]
+    _, cursor = drain(photos)
+    assert photos.migrate_key("u1", near) == 3
+    assert drain(photos, cursor)[0] == []  # within its shard: nothing recorded
+    assert photos.migrate_key("u1", far) == 3
+    changes, _ = drain(photos, cursor)
+    assert sorted((c.op, c.id, c.version, c.bucket) for c in changes) == sorted(
+        ("put", i, v, far) for i, v in zip(ids, stamps, strict=True)
+    )
+    assert [photos.get_with_version(i)[1] for i in ids] == stamps  # type: ignore[index]
+
+
 # -- consumers --------------------------------------------------------------------------
 def test_consumer_resumes_and_retries_a_failed_batch(topo: Topology) -> None:
     ds = topo.open(buckets=32)

@@ -14,7 +14,10 @@ a migration moves them all, as one operation:
    lookup rows switched to the new bucket as it is copied;
 3. **flip**: every kind's directory entry points at the new bucket, ``NORMAL``
    again (and the directory's per-bucket key counts follow);
-4. **delete**: the old copies are deleted.
+4. **delete**: the old copies are deleted, recording no change (the change
+   feed, when on, holds a put of each entity copied to another shard, in its
+   new bucket, with the version it had; a copy within one shard records
+   nothing: the entity's changes so far stay in its old bucket).
 
 Index rows stay where they are: an index row lives on the bucket of its
 ``shard_on`` value's hash (never a directory bucket), and the entity ids do
@@ -117,8 +120,8 @@ class KeyMigration:
         for k in kinds:  # 4. delete the old copies
             src = self.router.backends[placement.shard_of_bucket[k.old]]
             dst = self.router.backends[placement.shard_of_bucket[to_bucket]]
-            if src is not dst:
-                src.delete_ids(k.kind, copied[k.kind])
+            if src is not dst:  # (no delete in the feed: the entity lives on)
+                src.delete_entities(k.kind, copied[k.kind], [k.old], read_old=False, record=False)
         log.info(
             "key moved to bucket %d: %s",
             to_bucket,
