@@ -1,14 +1,18 @@
 """The store against a model (hypothesis, stateful): random puts, ``put_many``,
-deletes, ``update``, conditional writes right and wrong, and bucket moves on one
-kind, written by one datastore; after every step, it and a second datastore
-sharing its cache give what a dict gives (``get_many``), an index query lists
-exactly the model's matches, each id's version grew with each write, and the
-change feed, read on from the last step's cursor, ends each id on its last write
-with the versions of its puts rising.
+deletes, ``update``, conditional writes right and wrong, bucket moves, key
+migrations and a consumer's polls (its handler failing at random) on one kind,
+written by one datastore.  After every step, it and a second datastore sharing
+its cache give what a dict gives (``get_many``), an index query lists exactly
+the model's matches, each id's version grew with each write, and the change
+feed, read on from the last step's cursor, ends each id on its last write with
+the versions of its puts rising.  At the end, the consumer, drained, handled
+every change, each bucket's in order, and applying them by docs/changes.md's
+rule ends where the store is.
 
-SQLite with the in-process cache, MariaDB with Redis; each run of the machine
-on a kind of its own in one store.  A few runs here (fixed seed);
-``BAGSTORE_MODEL_RUNS=N`` runs N on each backend (``-m soak`` runs 100)."""
+Kinds placed by the id, by a hash of a shard key and by the directory; SQLite
+with the in-process cache, MariaDB with Redis; each run of the machine on a kind
+of its own in one store.  A few runs here (fixed seed); ``BAGSTORE_MODEL_RUNS=N``
+runs N of each (``-m soak`` runs 100)."""
 
 from __future__ import annotations
 
