@@ -280,7 +280,7 @@ def cli(
 @cli.command(short_help="Create the store (SQLite directory or configured shards).")
 @click.option(
     "--shards",
-    type=click.IntRange(1, 256),
+    type=click.IntRange(min=1),
     help="SQLite files for a new store (default 4; 1 to 256); an existing store keeps its count.",
 )
 @click.option(
