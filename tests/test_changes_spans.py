@@ -7,8 +7,9 @@ wrongly believes) of the rows between them."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
-from bagstore.backends import changerange
+from bagstore.backends import changerange, changesql
 from tests.conftest import Topology
 
 
@@ -106,4 +107,37 @@ def test_range_reads_as_spans_give_exactly_the_rows_asked(topo: Topology) -> Non
         changerange._spans = counted  # type: ignore[assignment]
     if topo.is_mysql:
         assert spans > 0
+    ds.close()
+
+
+def test_positions_read_as_one_text_agree_with_rows(topo: Topology) -> None:
+    """A shard's positions (MariaDB: one text a shard, parsed) are the
+    position rows as they are, alone and several shards a statement,
+    buckets without changes and kinds without rows included; a text that
+    does not hold its count of positions (cut short) is read as rows."""
+    ds = topo.open(buckets=64)
+    ds.feed.enable()
+    ds.put_many([{"n": i} for i in range(300)])
+    backends = ds.router.backends
+
+    def as_rows(backend: object, kind: str) -> dict[int, tuple[int, int]]:
+        b: Any = backend
+        rows = b.fetchall(
+            f"SELECT bucket, pos, pruned FROM {changesql.POSITIONS} WHERE kind = {b.dialect.param}",
+            [kind],
+        )
+        return {int(x): (int(p), int(q)) for x, p, q in rows}
+
+    for kind in (ds.kind, "nothing_here"):
+        expected = {no: as_rows(b, kind) for no, b in enumerate(backends)}
+        assert {no: changesql.positions(b, kind) for no, b in enumerate(backends)} == expected
+        if len(backends) > 1:
+            assert changesql.positions_together(kind, list(enumerate(backends))) == expected
+    assert sum(map(len, expected.values())) == 0
+    assert sum(len(as_rows(b, ds.kind)) for b in backends) >= 32  # (not vacuous)
+    assert changesql._concatenated(0, None) == {}
+    assert changesql._concatenated(2, "3,7,0,4,9,1") == {3: (7, 0), 4: (9, 1)}
+    assert changesql._concatenated(2, b"3,7,0,4,9,1") == {3: (7, 0), 4: (9, 1)}
+    assert changesql._concatenated(3, "3,7,0,4,9,1") is None  # cut short
+    assert changesql._concatenated(2, None) is None
     ds.close()
