@@ -399,7 +399,7 @@ def _follow_rebalance(name: str, root: Path, request: pytest.FixtureRequest) -> 
         if name != "sqlite":
             from tests import servers
 
-            servers.drop_databases("127.0.0.1", 3306, [extra.rsplit("/", 1)[1]])
+            servers.drop_databases("127.0.0.1", 3306, [extra.rsplit("/", 1)[1].split("?")[0]])
 
 
 # -- retention -----------------------------------------------------------------------------
