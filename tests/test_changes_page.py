@@ -254,10 +254,17 @@ def _pages_with_moves(
 
 
 @pytest.mark.parametrize(
-    ("changes", "limit", "ranges"), [(30, 64, [30]), (40, 64, [2, 8, 30]), (30, 4, [2, 28])]
+    ("changes", "buckets", "limit", "most", "ranges"),
+    [
+        (30, 64, 64, 16, [30]),
+        (40, 64, 64, 16, [2, 8, 30]),
+        (30, 64, 4, 16, [2, 28]),
+        (300, 64, 1000, 32, [32, 128, 140]),
+        (100, 2, 10, 4, [10, 20, 20, 20, 30]),
+    ],
 )
 def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end(
-    changes: int, limit: int, ranges: list[int]
+    changes: int, buckets: int, limit: int, most: int, ranges: list[int]
 ) -> None:
     """A bucket's read takes all the rest when that is at most twice ``most``
     rows, its first read too, rather than its share of a page and more
@@ -266,9 +273,14 @@ def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end(
     40 (more than twice ``most``) first by their share of a page (2 rows),
     then 8 (four times that), then the rest; pages of 4 rows (less than an
     eighth of a row a bucket) read a bucket first by its share, 2 rows, and
-    the rest after; the pages are the plain merge."""
+    the rest after; the pages are the plain merge.  A bucket's reads grow
+    past ``most`` up to four times its first read, two pages at most: 64
+    buckets of 300 changes, pages of 1,000 (MariaDB's ``most``, 32) read 32,
+    then 128, then the rest (140, at most twice 128); 2 buckets of 100,
+    pages of 10, read 10, then 20 at a time (two pages), then the rest."""
     streams = {
-        b: [(b, i + 1, b"id", 0, 1, i * 64 + b, None) for i in range(changes)] for b in range(64)
+        b: [(b, i + 1, b"id", 0, 1, i * 64 + b, None) for i in range(changes)]
+        for b in range(buckets)
     }
     asked: dict[int, list[int]] = {}
 
@@ -287,10 +299,10 @@ def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end(
 
     session = feedread.start(None, {}, False, 0, holders, pruned)
     got: list[tuple[Any, ...]] = []
-    while page := feedread.next_rows(session, limit, 16, holders, read, pruned):
+    while page := feedread.next_rows(session, limit, most, holders, read, pruned):
         got += page
-    assert got == _reference(streams, set(), len(got) + 1) and len(got) == 64 * changes
-    assert all(sizes == ranges for sizes in asked.values()) and len(asked) == 64
+    assert got == _reference(streams, set(), len(got) + 1) and len(got) == buckets * changes
+    assert all(sizes == ranges for sizes in asked.values()) and len(asked) == buckets
 
 
 def test_pages_at_the_default_bucket_count_resume_anywhere(topo: Topology) -> None:
