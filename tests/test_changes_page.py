@@ -7,7 +7,10 @@ from __future__ import annotations
 import base64
 import json
 import random
+import sys
+import threading
 import zlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -417,4 +420,43 @@ def test_range_reads_give_the_rows_asked_whatever_their_number(topo: Topology) -
         holders,
     )
     assert sorted((r[0], r[1]) for r in got) == sorted((b, pos) for b, pos, _ in many)
+    ds.close()
+
+
+def test_reading_sessions_are_bounded_and_shared_by_threads(tmp_path: Path) -> None:
+    """A feed keeps at most 64 reading sessions (one a set of buckets read),
+    dropping the oldest, with threads reading sets of buckets of their own
+    and in common at once: every read gives its buckets' changes, each
+    bucket's in position order, and no thread fails."""
+    ds = bagstore.open(str(tmp_path / "store"), buckets=256)
+    ds.feed.enable()
+    ds.put_many([{"n": i} for i in range(600)])
+    tops = {b: top for b, (top, _) in ds.feed.ends().items()}
+    errors: list[BaseException] = []
+
+    def work(no: int) -> None:
+        try:
+            for k in range(40):
+                first = (no * 13 + k) % 256 if k % 4 else 0  # bucket set 0-1 in common
+                buckets = [first, (first + 1) % 256]
+                changes, after = ds.feed.read({}, 500, buckets)
+                for b in buckets:
+                    positions = [c.position for c in changes if c.bucket == b]
+                    assert positions == list(range(1, tops.get(b, 0) + 1))
+                    assert after.get(b, 0) == tops.get(b, 0)
+        except BaseException as exc:  # (reported below: a thread's failure)
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch often: races show
+    try:
+        threads = [threading.Thread(target=work, args=(no,)) for no in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:3]
+    assert len(ds.feed._sessions) == 64
     ds.close()

@@ -209,9 +209,10 @@ class Feed:
             session = feedread.start(key, positions, oldest, epoch, holders, pruned)
         most = sql.rows_per_range(self.router.backends[0])
         rows = feedread.next_rows(session, limit, most, holders, self._read_ranges, pruned)
-        if len(self._sessions) >= _SESSIONS:
-            self._sessions.pop(next(iter(self._sessions)))
-        self._sessions[key] = session
+        sessions = self._sessions
+        while len(sessions) >= _SESSIONS:  # the oldest dropped; threads may race here
+            sessions.pop(next(iter(sessions.copy()), None), None)
+        sessions[key] = session
         return page_changes(rows, self.kind), dict(session.after)
 
     def _read_ranges(
