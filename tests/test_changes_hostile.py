@@ -68,6 +68,42 @@ def test_any_value_as_a_cursor_is_invalid_query(fed: Any, value: object) -> None
         ds.changes(since=value)
 
 
+positions_like = st.one_of(
+    anything,
+    st.none(),
+    st.dictionaries(
+        st.one_of(st.integers(), st.text(max_size=2), st.booleans()), anything, max_size=3
+    ),
+)
+
+
+@FAST
+@given(positions=positions_like, limit=anything, buckets=st.one_of(st.none(), anything))
+def test_any_arguments_of_the_feeds_reads_are_invalid_query_or_read(
+    fed: Any, positions: object, limit: object, buckets: object
+) -> None:
+    """``ds.feed.read`` and ``ds.feed.ends`` (what consumers are made of): a
+    positions dict of buckets to positions, a limit from 1 to 10,000 and
+    bucket numbers of the store, or InvalidQuery (TypeError and ValueError
+    before, from deep inside the reader); the feed reads on."""
+    ds, page = fed
+    try:
+        changes, after = ds.feed.read(positions, limit, buckets)  # type: ignore[arg-type]
+    except bagstore.InvalidQuery:
+        pass
+    else:  # what was valid reads as ever
+        assert type(limit) is int and 1 <= limit <= 10_000
+        assert isinstance(positions, dict) and isinstance(after, dict)
+        assert all(isinstance(c, bagstore.Change) for c in changes)
+    try:
+        ends = ds.feed.ends(buckets)  # type: ignore[arg-type]
+    except bagstore.InvalidQuery:
+        assert buckets is not None
+    else:
+        assert set(ends) <= set(range(ds.placement.buckets))
+    _still_reads(ds, page)
+
+
 @FAST
 @given(at=st.integers(0, 200), cut=st.integers(0, 3), extra=st.text(any_char, max_size=4))
 def test_a_cursor_altered_anywhere_is_invalid_query(

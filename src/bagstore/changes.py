@@ -155,7 +155,7 @@ class Feed:
         out of date; a tie goes to the shard the placement names."""
         placement = self.router.refresh()
         backends = self.router.backends
-        wanted = None if buckets is None else set(buckets)
+        wanted = None if buckets is None else self._bucket_set(buckets)
 
         def on(group: list[int]) -> dict[int, dict[int, tuple[int, int]]]:
             if len(group) == 1:
@@ -195,7 +195,9 @@ class Feed:
         A read that goes on from where the last one of the same buckets ended
         costs what its rows cost (:mod:`bagstore.feedread`); another starts
         afresh, reading every bucket's positions."""
-        key = None if buckets is None else frozenset(buckets)
+        if type(limit) is not int or not 1 <= limit <= MAX_LIMIT:
+            raise InvalidQuery(f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit!r}")
+        key = None if buckets is None else self._bucket_set(buckets)
         # Taken out while in use: a thread reading the same buckets at the
         # same time starts its own session.
         session = self._sessions.pop(key, None)
@@ -206,6 +208,7 @@ class Feed:
 
         epoch = self.epoch()
         if session is None or not session.goes_on(positions, key, oldest, epoch):
+            self._check_positions(positions)
             session = feedread.start(key, positions, oldest, epoch, holders, pruned)
         most = sql.rows_per_range(self.router.backends[0])
         rows = feedread.next_rows(session, limit, most, holders, self._read_ranges, pruned)
@@ -214,6 +217,31 @@ class Feed:
             sessions.pop(next(iter(sessions.copy()), None), None)
         sessions[key] = session
         return page_changes(rows, self.kind), dict(session.after)
+
+    def _bucket_set(self, buckets: Iterable[int]) -> frozenset[int]:
+        """``buckets`` as a set, each a bucket of the store (InvalidQuery if not)."""
+        count = self.router.placement.buckets
+        try:
+            found = frozenset(buckets)
+        except TypeError:
+            found = None
+        if found is None or not all(type(b) is int and 0 <= b < count for b in found):
+            raise InvalidQuery(
+                f"buckets must be bucket numbers from 0 to {count - 1}, not {buckets!r}"[:200]
+            )
+        return found
+
+    def _check_positions(self, positions: object) -> None:
+        """InvalidQuery unless ``positions`` is ``{bucket: position}`` of this store."""
+        count = self.router.placement.buckets
+        if not isinstance(positions, dict) or not all(
+            type(b) is int and type(p) is int and 0 <= b < count and p >= 0
+            for b, p in positions.items()
+        ):
+            raise InvalidQuery(
+                "positions must be a dict of bucket numbers (from 0 to "
+                f"{count - 1}) to positions (0 or more), not {positions!r}"[:200]
+            )
 
     def _read_ranges(
         self,
@@ -362,9 +390,7 @@ class Feed:
 
     def changes(self, since: str | None = None, limit: int = 1000) -> ChangePage:
         """The changes after the cursor ``since`` (from the oldest kept when
-        None), at most ``limit``; the page's ``cursor`` reads on."""
-        if type(limit) is not int or not 1 <= limit <= MAX_LIMIT:
-            raise InvalidQuery(f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit!r}")
+        None), at most ``limit`` (1 to 10,000); the page's ``cursor`` reads on."""
         positions = self.positions_of(since)
         changes, after = self.read(positions, limit, oldest=since is None)
         if not changes and self.settings() is None and not self.ends():
