@@ -135,9 +135,25 @@ def test_positions_read_as_one_text_agree_with_rows(topo: Topology) -> None:
             assert changesql.positions_together(kind, list(enumerate(backends))) == expected
     assert sum(map(len, expected.values())) == 0
     assert sum(len(as_rows(b, ds.kind)) for b in backends) >= 32  # (not vacuous)
-    assert changesql._concatenated(0, None) == {}
-    assert changesql._concatenated(2, "3,7,0,4,9,1") == {3: (7, 0), 4: (9, 1)}
-    assert changesql._concatenated(2, b"3,7,0,4,9,1") == {3: (7, 0), 4: (9, 1)}
-    assert changesql._concatenated(3, "3,7,0,4,9,1") is None  # cut short
-    assert changesql._concatenated(2, None) is None
+    whole = changesql._concatenated
+    assert whole(0, None, None) == {}
+    assert whole(2, 24, "3,7,0,4,9,1") == {3: (7, 0), 4: (9, 1)}
+    assert whole(2, 24, b"3,7,0,4,9,1") == {3: (7, 0), 4: (9, 1)}
+    assert whole(3, 45, "3,7,0,4,9,1") is None  # cut short
+    assert whole(2, 33, "3,7,0,4,9,1") is None  # cut within its last number (10)
+    assert whole(2, 24, "3,7,0,4,9,") is None  # cut after a comma
+    assert whole(2, 24, None) is None
+    if topo.is_mysql:  # a session that cuts the text: what it reads is refused
+        backend: Any = backends[0]
+        sql, params = changesql._positions_sql(backend, 0, ds.kind, False)
+        with backend.connection() as conn:
+            cur = conn.cursor()
+            for cut in (4, 5, 17, 33):  # (4: the least MariaDB takes)
+                cur.execute(f"SET SESSION group_concat_max_len = {cut}")
+                cur.execute(sql, params)
+                row = cur.fetchall()[0]
+                assert row[1] > 1 and whole(*row[1:]) is None, (cut, row)
+            cur.execute("SET SESSION group_concat_max_len = 16777216")
+            cur.execute(sql, params)
+            assert whole(*cur.fetchall()[0][1:]) == as_rows(backend, ds.kind)
     ds.close()

@@ -269,7 +269,7 @@ def positions(backend: Backend, kind: str) -> dict[int, tuple[int, int]]:
     if _mysql(backend.dialect):
         sql, params = _positions_sql(backend, 0, kind, False)
         rows = backend.fetchall(sql, params)
-        found = _concatenated(rows[0][1], rows[0][2])
+        found = _concatenated(*rows[0][1:])
         if found is not None:
             return found
     d = backend.dialect
@@ -281,30 +281,36 @@ def positions(backend: Backend, kind: str) -> dict[int, tuple[int, int]]:
 
 def _positions_sql(backend: Backend, no: int, kind: str, qualified: bool) -> tuple[str, list[Any]]:
     """MariaDB: a shard's positions of ``kind`` as one row ``(no, count,
-    text)``, the text ``bucket,pos,pruned,...``: a few rows for the driver
-    to parse where there were one a bucket (PyMySQL parses a row in Python:
-    1,024 positions of 4 shards read in ~5 ms as rows, ~2 ms so, measured).
-    The session's ``group_concat_max_len`` (see ``INIT_COMMAND``) holds a
-    store's 65,536 buckets; :func:`_concatenated` checks the count anyway."""
+    sum, text)``, the text ``bucket,pos,pruned,...``, the sum of all those
+    numbers: a few rows for the driver to parse where there were one a
+    bucket (PyMySQL parses a row in Python: 1,024 positions of 4 shards read
+    in ~5 ms as rows, ~2 ms so, measured).  The session's
+    ``group_concat_max_len`` (see ``INIT_COMMAND``) holds a store's 65,536
+    buckets; :func:`_concatenated` checks the text whole anyway."""
     p = backend.dialect.param
     return (
-        f"SELECT {int(no)}, COUNT(*), GROUP_CONCAT(bucket, ',', pos, ',', pruned SEPARATOR ',') "
+        f"SELECT {int(no)}, COUNT(*), SUM(bucket + pos + pruned), "
+        "GROUP_CONCAT(bucket, ',', pos, ',', pruned SEPARATOR ',') "
         f"FROM {table_of(backend, POSITIONS, qualified)} WHERE kind = {p}",
         [kind],
     )
 
 
-def _concatenated(count: Any, text: Any) -> dict[int, tuple[int, int]] | None:
-    """The positions of one row of :func:`_positions_sql`, or None if its
-    text does not hold ``count`` of them (cut short: read them as rows)."""
+def _concatenated(count: Any, total: Any, text: Any) -> dict[int, tuple[int, int]] | None:
+    """The positions of one row of :func:`_positions_sql`, or None unless
+    its text holds ``count`` of them adding up to ``total`` (a text cut
+    short, even within its last number: read them as rows)."""
     if not count:
         return {}
     if isinstance(text, bytes | bytearray):
         text = text.decode("ascii")
     if not isinstance(text, str):
         return None
-    flat = list(map(int, text.split(",")))
-    if len(flat) != 3 * int(count):
+    try:
+        flat = list(map(int, text.split(",")))
+    except ValueError:  # cut after a comma
+        return None
+    if len(flat) != 3 * int(count) or sum(flat) != int(total):
         return None
     return dict(zip(flat[0::3], zip(flat[1::3], flat[2::3], strict=True), strict=True))
 
@@ -332,7 +338,7 @@ def positions_together(
     if _mysql(lead.dialect):
         parts = [_positions_sql(b, no, kind, True)[0] for no, b in shards]
         rows = lead.read_together(lead.dialect.union_all_sql(parts), [kind] * len(shards), reach)
-        found = {int(r[0]): _concatenated(r[1], r[2]) for r in rows}
+        found = {int(r[0]): _concatenated(*r[1:]) for r in rows}
         if len(found) == len(shards) and None not in found.values():
             return cast("dict[int, dict[int, tuple[int, int]]]", found)
     p = lead.dialect.param
