@@ -285,6 +285,67 @@ def test_consumer_bad_input(topo: Topology) -> None:
         ds.feed.reset_consumer("c", to="middle")
 
 
+def test_a_consumer_process_stops_where_retrying_cannot_help(
+    topo: Topology, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``run()`` retries a handler's failure (InvalidQuery included) and ends,
+    raising, when the consumer fell behind retention or was dropped: it
+    logged "handler failed" and retried those every second for ever before.
+    A process whose consumer was dropped, or that was closed, cannot poll
+    (it polled nothing for ever, and a closed one took its ranges again)."""
+    ds = topo.open(buckets=4)
+    ds.feed.enable(max_age=1, max_changes=2)
+    ds.put_many([{"n": i} for i in range(20)])
+    calls: list[int] = []
+    stop = threading.Event()
+
+    def picky(cs: list[Change]) -> None:
+        calls.append(len(cs))
+        if len(calls) == 1:
+            raise bagstore.InvalidQuery("the handler's own bad query")
+        if sum(calls[1:]) >= 20:
+            stop.set()
+
+    done = threading.Timer(10.0, stop.set)  # (a run that gives up fails below)
+    done.start()
+    ds.subscribe("picky", picky, batch=100).run(stop, idle=0.01, retry_wait=0.01)
+    done.cancel()
+    assert len(calls) > 1 and sum(calls[1:]) == 20  # retried, then all handled
+    assert "picky: handler failed" in caplog.text
+
+    behind = ds.subscribe("behind", lambda cs: None)
+    behind.close()
+    ds.put_many([{"n": i} for i in range(20)])
+    assert bagstore.Cleaner(ds).prune_changes() > 0
+    stop = threading.Event()
+    killer = threading.Timer(10.0, stop.set)  # (a run that never ends fails below)
+    killer.start()
+    try:
+        with pytest.raises(bagstore.ChangesPruned, match="consumer 'behind'"):
+            ds.subscribe("behind", lambda cs: None).run(stop, idle=0.01, retry_wait=0.01)
+    finally:
+        killer.cancel()
+    assert not stop.is_set()
+
+    dropped = ds.subscribe("dropped", lambda cs: None)
+    dropped.poll()
+    ds.feed.drop_consumer("dropped")
+    with pytest.raises(bagstore.InvalidQuery, match="consumer 'dropped' no longer exists"):
+        dropped.poll()
+    with pytest.raises(bagstore.InvalidQuery, match="no longer exists"):
+        dropped.run(threading.Event())
+    assert "dropped" not in [c["name"] for c in ds.feed.consumers()]
+    members = ds.router.catalog_backend.select_all(
+        "bagstore_consumer_members", ("member",), {"name": "dropped"}
+    )
+    assert members == []  # no heartbeat left behind
+
+    closed = ds.subscribe("closed", lambda cs: None)
+    closed.close()
+    with pytest.raises(bagstore.InvalidQuery, match="was closed"):
+        closed.poll()
+
+
 def test_two_processes_of_one_consumer_share_the_ranges(topo: Topology) -> None:
     """Two subscribers of one consumer (as two processes would) split the
     ranges: every change handled, none by both while both hold leases."""

@@ -151,6 +151,8 @@ class Subscriber:
         self.held: dict[int, dict[int, int]] = {}
         #: range -> the feed's epoch its positions were read in
         self.epochs: dict[int, int] = {}
+        self._closed = False
+        self._in_handler = False  # (run() tells a handler's failure from the feed's)
 
     # -- leases --------------------------------------------------------------------
     def _rows(self) -> list[tuple[int, str, str, int]]:
@@ -162,12 +164,23 @@ class Subscriber:
     def balance(self) -> None:
         """Heartbeat; renew this process's leases; take or give ranges so that
         each live process holds an even share."""
+        if self._closed:
+            raise InvalidQuery(
+                f"this process of consumer {self.name!r} was closed; subscribe again to go on"
+            )
+        rows = self._rows()
+        if not rows:  # every consumer has its ranges' rows from its start
+            self.held.clear()
+            self.catalog.delete_where(MEMBERS, {"name": self.name, "member": self.member})
+            raise InvalidQuery(
+                f"consumer {self.name!r} no longer exists (dropped, `bagstore consumers "
+                "drop`); subscribe again to start it anew from the oldest change kept"
+            )
         now = _now()
         self.catalog.upsert(MEMBERS, {"name": self.name, "member": self.member}, {"seen": now})
         seen = self.catalog.select_all(MEMBERS, ("member", "seen"), {"name": self.name})
         live = sum(1 for _, s in seen if int(s) > now - self.lease_us)
         share = -(-self.ranges // max(1, live))
-        rows = self._rows()
         for no, _, owner, until in rows:
             if no in self.held and (owner != self.member or until <= now):
                 del self.held[no]  # lapsed: another process may have it now
@@ -225,7 +238,9 @@ class Subscriber:
             if not self._renew(no, _now()):
                 del self.held[no]
                 continue
+            self._in_handler = True
             self.handler(changes)
+            self._in_handler = False
             handled += len(changes)
             kept = self.catalog.update(
                 RANGE_ROWS,
@@ -252,14 +267,22 @@ class Subscriber:
     ) -> None:
         """Poll until ``stop`` is set, waiting ``idle`` seconds when there was
         nothing to do; a handler that raises is logged and its batch retried
-        after ``retry_wait`` seconds."""
+        after ``retry_wait`` seconds, as is a failed read of the feed (a
+        shard unreachable).  What retrying cannot mend ends the run, raised:
+        :class:`bagstore.ChangesPruned` (fell behind retention),
+        :class:`bagstore.ChangesLost` (a failover's new epoch), the consumer
+        dropped (:class:`bagstore.InvalidQuery`)."""
         stop = stop or threading.Event()
         try:
             while not stop.is_set():
                 try:
                     n = self.poll()
-                except Exception:
-                    log.exception("consumer %s: handler failed; retrying the batch", self.name)
+                except Exception as exc:
+                    in_handler, self._in_handler = self._in_handler, False
+                    if not in_handler and isinstance(exc, InvalidQuery):
+                        raise
+                    what = "handler failed" if in_handler else "reading the feed failed"
+                    log.exception("consumer %s: %s; retrying the batch", self.name, what)
                     stop.wait(retry_wait)
                     continue
                 if n == 0:
@@ -268,7 +291,9 @@ class Subscriber:
             self.close()
 
     def close(self) -> None:
-        """Give back this process's leases (others take them at once)."""
+        """Give back this process's leases (others take them at once); the
+        process cannot poll afterwards."""
+        self._closed = True
         for no in list(self.held):
             self.catalog.update(
                 RANGE_ROWS,
