@@ -263,6 +263,11 @@ def test_consumer_resumes_and_retries_a_failed_batch(topo: Topology) -> None:
 
 def test_consumer_bad_input(topo: Topology) -> None:
     ds = topo.open()
+    ds.put({"n": 0})
+    # a consumer of a feed that is off (it would wait for ever): refused, not recorded
+    with pytest.raises(bagstore.ConfigurationError, match="change feed of kind 'entities' is off"):
+        ds.subscribe("early", print)
+    assert ds.feed.consumers() == []
     ds.feed.enable()
     with pytest.raises(bagstore.InvalidQuery, match="no consumer 'ghost'"):
         ds.feed.drop_consumer("ghost")

@@ -393,12 +393,18 @@ class Feed:
         None), at most ``limit`` (1 to 10,000); the page's ``cursor`` reads on."""
         positions = self.positions_of(since)
         changes, after = self.read(positions, limit, oldest=since is None)
-        if not changes and self.settings() is None and not self.ends():
+        if not changes:
+            self.check_on()
+        return ChangePage(changes, self.cursor(after))
+
+    def check_on(self) -> None:
+        """ConfigurationError if the kind's feed is off and keeps no change
+        (nothing to read, nor ever will be until it is switched on)."""
+        if self.settings() is None and not self.ends():
             raise ConfigurationError(
                 f"the change feed of kind {self.kind!r} is off (ds.feed.enable(), or "
                 "`bagstore feed on`)"
             )
-        return ChangePage(changes, self.cursor(after))
 
     # -- other kinds, consumers (bagstore.subscriber) ------------------------------
     def other(self, kind: str | None) -> Feed:

@@ -119,8 +119,9 @@ class Subscriber:
         check_seconds("lease", lease, 0.001)
         if not callable(handler):
             raise ConfigurationError("handler must be callable (it receives a list of changes)")
-        self.feed = feed
         self.name = _check_name(name)
+        feed.check_on()  # (a consumer of a feed that is off would wait for ever)
+        self.feed = feed
         self.handler = handler
         self.batch = batch
         self.lease_us = int(lease * 1_000_000)
