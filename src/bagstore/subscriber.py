@@ -223,6 +223,7 @@ class Subscriber:
         """One round: balance the leases, then one batch of each range held
         (handled, then checkpointed).  Returns the changes handled.  A handler's
         exception propagates; its batch's position is not advanced."""
+        self._in_handler = False
         self.balance()
         handled = 0
         for no in sorted(self.held):
