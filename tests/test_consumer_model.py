@@ -16,14 +16,14 @@ from __future__ import annotations
 import itertools
 import os
 
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, rule
 
 import bagstore
 from bagstore.changes import Change
 from bagstore.subscriber import Subscriber
 from tests.conftest import Topology
+from tests.test_model import run_model
 
 _runs = itertools.count()
 
@@ -115,14 +115,4 @@ def test_a_consumers_processes_behave_as_their_model(topo: Topology) -> None:
             self.ds.feed.enable()
             super().__init__()
 
-    run_state_machine_as_test(
-        Run,
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=25,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-        ),
-    )
+    run_model(Run, examples, 25)

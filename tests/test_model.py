@@ -286,11 +286,17 @@ def _check_model(topo: Topology, runs: int, placing: str) -> None:
             self.opened = (writer, topo.open(**options))
             super().__init__()
 
+    run_model(Run, examples, 20)
+
+
+def run_model(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> None:
+    """Run a state machine of a test's store: ``examples`` runs of at most
+    ``steps`` steps, from a fixed seed, nothing kept between test runs."""
     run_state_machine_as_test(
-        Run,
+        machine,
         settings=settings(
             max_examples=examples,
-            stateful_step_count=20,
+            stateful_step_count=steps,
             deadline=None,
             database=None,
             derandomize=True,
