@@ -28,7 +28,7 @@ def _blocks() -> list[str]:
 
 def test_the_small_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     small = [b for b in _blocks() if "redis" not in b]
-    assert len(small) == 2
+    assert len(small) == 3
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     for block in small:
         exec(compile(block, str(DOC), "exec"), {})

@@ -9,6 +9,7 @@ import json
 import random
 import sys
 import threading
+import tracemalloc
 import zlib
 from pathlib import Path
 from typing import Any
@@ -459,4 +460,65 @@ def test_reading_sessions_are_bounded_and_shared_by_threads(tmp_path: Path) -> N
         sys.setswitchinterval(old)
     assert not errors, errors[:3]
     assert len(ds.feed._sessions) == 64
+    ds.close()
+
+
+def test_rows_read_ahead_stay_within_the_feed_budget(topo: Topology) -> None:
+    """The rows a reader holds read ahead of its pages take at most
+    ``ds.feed.read_ahead_bytes`` (their size estimated from the rows read),
+    never less than each bucket's first rows: 16 buckets of ~94 changes of
+    4 kB, pages of 100, are held nearly whole when the budget allows (a
+    bucket's rest fits in one read) and within ~1 MiB when that is the
+    budget; the pages are the same whatever the budget."""
+    ds = topo.open(buckets=16)
+    ds.feed.enable(bodies=True)
+    rng = random.Random(26)
+    for _ in range(6):
+        ds.put_many([{"blob": rng.randbytes(4000)} for _ in range(250)])
+
+    def read_all(budget: int) -> tuple[list[tuple[int, int]], int]:
+        ds.feed.read_ahead_bytes = budget
+        got: list[tuple[int, int]] = []
+        since = None
+        tracemalloc.start()
+        try:
+            while page := ds.changes(since=since, limit=100):
+                got += [(c.bucket, c.position) for c in page]
+                since = page.cursor
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        return got, peak
+
+    read_all(0)  # the feed has measured its rows
+    whole, whole_peak = read_all(32 * 2**20)
+    bounded, bounded_peak = read_all(2**20)
+    least, _ = read_all(0)
+    assert len(whole) == 1500 and whole == bounded == least
+    assert whole_peak > 5_000_000  # most of the changes' 6 MB of bodies held at once
+    # the budget, the page returned and the one made, the driver's buffers
+    # of a read (MariaDB's result as received beside its rows)
+    assert bounded_peak < min(3_000_000, whole_peak // 2), (bounded_peak, whole_peak)
+    ds.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1000", True, None])
+def test_a_read_ahead_budget_that_is_not_a_size_is_refused(tmp_path: Path, bad: object) -> None:
+    ds = bagstore.open(str(tmp_path / "store"), buckets=4)
+    with pytest.raises(bagstore.ConfigurationError, match="read_ahead_bytes must be an integer"):
+        ds.feed.read_ahead_bytes = bad  # type: ignore[assignment]
+    assert ds.feed.read_ahead_bytes == 32 * 2**20
+    ds.close()
+
+
+def test_the_read_ahead_budget_holds_for_every_kind_read(tmp_path: Path) -> None:
+    """``ds.feed.read_ahead_bytes`` bounds the reads of another kind through
+    the same Datastore (``ds.changes(kind=...)``, its consumers) too."""
+    path = str(tmp_path / "store")
+    bagstore.open(path, buckets=4, kind="posts").close()
+    ds = bagstore.open(path, buckets=4)
+    ds.feed.read_ahead_bytes = 4096
+    assert ds.feed.other("posts").read_ahead_bytes == 4096
+    ds.feed.read_ahead_bytes = 0
+    assert ds.feed.other("posts").read_ahead_bytes == 0
     ds.close()

@@ -63,6 +63,8 @@ MAX_LIMIT = 10_000
 _CURSOR_PREFIX = "c1."
 #: reading sessions kept (one a set of buckets read: a consumer's ranges)
 _SESSIONS = 64
+#: the default of :attr:`Feed.read_ahead_bytes`
+READ_AHEAD_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,24 @@ class Feed:
         self._others: dict[str, Feed] = {}  # other kinds' feeds (see other())
         #: the last cursor made: (cursor, its positions, its epoch)
         self._issued: tuple[str, dict[int, int], int] | None = None
+        self._read_ahead = READ_AHEAD_BYTES
+        self._row_bytes = 0  # a row's memory, as the last read measured it
+
+    @property
+    def read_ahead_bytes(self) -> int:
+        """The memory (bytes, estimated from the rows read) that rows read
+        ahead and not returned yet may take, all of this feed's readers
+        together; a read never reads less than each bucket's first rows
+        (about two pages), whatever this says.  Default 32 MiB."""
+        return self._read_ahead
+
+    @read_ahead_bytes.setter
+    def read_ahead_bytes(self, value: int) -> None:
+        if type(value) is not int or value < 0:
+            raise ConfigurationError(
+                f"read_ahead_bytes must be an integer, 0 or more, not {value!r}"[:200]
+            )
+        self._read_ahead = value
 
     # -- settings ------------------------------------------------------------------
     def settings(self) -> FeedSettings | None:
@@ -211,8 +231,14 @@ class Feed:
             self._check_positions(positions)
             session = feedread.start(key, positions, oldest, epoch, holders, pruned)
         most = sql.rows_per_range(self.router.backends[0])
-        rows = feedread.next_rows(session, limit, most, holders, self._read_ranges, pruned)
         sessions = self._sessions
+        # What its rows read ahead may take: the budget less what the other
+        # sessions hold (a row's size as last measured, 0 before any read).
+        size = session.row_bytes = session.row_bytes or self._row_bytes
+        others = sum(len(x.rows) for x in sessions.copy().values())
+        session.budget = max(0, self._read_ahead - others * size)
+        rows = feedread.next_rows(session, limit, most, holders, self._read_ranges, pruned)
+        self._row_bytes = session.row_bytes
         while len(sessions) >= _SESSIONS:  # the oldest dropped; threads may race here
             sessions.pop(next(iter(sessions.copy()), None), None)
         sessions[key] = session
@@ -417,6 +443,7 @@ class Feed:
             if not isinstance(kind, str) or kind not in self.router.catalog.kinds():
                 raise InvalidQuery(f"no kind {kind!r} in this store")
             feed = self._others[kind] = Feed(kind, self.router)
+        feed._read_ahead = self._read_ahead  # (ds.feed's setting: every kind's)
         return feed
 
     def consumers(self) -> list[dict[str, Any]]:

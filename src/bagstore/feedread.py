@@ -88,6 +88,12 @@ class Session:
     blocked: list[int] = field(default_factory=list)
     #: of each bucket read: the rows asked the last time
     sizes: dict[int, int] = field(default_factory=dict)
+    #: the memory (bytes) its rows read ahead may take, set by the reader
+    #: before each page (None: no bound); while :attr:`row_bytes` is not
+    #: known, each bucket reads its least (see :func:`_fill`)
+    budget: int | None = None
+    #: the memory a row read takes, estimated from the rows read (0: none yet)
+    row_bytes: int = 0
 
     def goes_on(
         self, positions: dict[int, int], buckets: frozenset[int] | None, oldest: bool, epoch: int
@@ -240,14 +246,21 @@ def _fill(
     ends, read_to, sizes = s.ends, s.read_to, s.sizes
     by_shard: dict[int, list[tuple[int, int, int]]] = {}
     asked: list[tuple[int, int, int]] = []
+    # The memory held: a bucket reads no more than its share of the room
+    # left, nor less than its first read (a page must reach every bucket).
+    cap = first
+    if s.budget is None:
+        cap = _UNBOUND
+    elif s.row_bytes:
+        cap = max(first, (s.budget // s.row_bytes - len(s.rows)) // len(picked))
     for bound in picked:
         b = bound & _MASK
         lo = read_to[b][0] + 1
         top, _, shard = ends[b]
         later = b in sizes
-        size = sizes[b] = min(most, 4 * sizes[b]) if later else first
+        size = sizes[b] = min(most, 4 * sizes[b], cap) if later else first
         if top - lo < 2 * most and (later or whole_first):  # the rest, in one range, not two
-            size = top - lo + 1
+            size = min(top - lo + 1, cap)
         r = (b, lo, min(top, lo - 1 + size))
         asked.append(r)
         by_shard.setdefault(shard, []).append(r)
@@ -255,6 +268,8 @@ def _fill(
     for ranges in by_shard.values():
         ranges.sort()
     rows = read(by_shard, ends)
+    if rows:
+        _measure(s, rows)
     buckets = list(map(_BUCKET, asked))
     counts = [hi - lo + 1 for _, lo, hi in asked]
     bs = list(map(_BUCKET, rows))
@@ -270,6 +285,21 @@ def _fill(
             _fill_whole(s, asked, buckets, counts, rows, bs)
             return []
     return _fill_parts(s, asked, rows)
+
+
+#: what a row read takes in memory beyond its id and body (its tuple, the
+#: ints; measured by sys.getsizeof: ~300 bytes), a Change made of it included
+_ROW_BYTES = 400
+_UNBOUND = 1 << 62
+_BODY = itemgetter(6)
+
+
+def _measure(s: Session, rows: list[tuple[Any, ...]]) -> None:
+    """Update the session's estimate of a row's memory from ~32 of ``rows``."""
+    sample = rows[:: len(rows) // 32 + 1]
+    bodies = sum(map(len, filter(None, map(_BODY, sample))))
+    est = _ROW_BYTES + bodies // len(sample)
+    s.row_bytes = est if not s.row_bytes else (s.row_bytes + est) // 2
 
 
 def _fill_whole(
