@@ -143,8 +143,10 @@ def _session_pages(
         raise AssertionError("nothing is pruned here")
 
     session = feedread.start(None, {}, False, 0, holders, pruned)
+    budget = rng.choice([None, 0, 4_000, 40_000])  # ~400 bytes a row here
     pages = []
     for n in range(10_000):
+        session.budget = budget
         page = feedread.next_rows(session, limit, most, holders, read, pruned)
         pages.append(page)
         if grow and n < 30 and rng.random() < 0.5:
@@ -160,10 +162,10 @@ def _session_pages(
 @pytest.mark.parametrize("monotone", [True, False])
 def test_session_pages_are_the_plain_merge(monotone: bool) -> None:
     """Pages read with a session, the next rows of only some buckets read at a
-    time, are together the plain merge of every bucket's rows (the running
-    maximum from the start), each at most ``limit`` rows and full while rows
-    are left; rows written between pages all come, once, each bucket's in
-    position order."""
+    time (as many as a memory budget allows, or without one), are together
+    the plain merge of every bucket's rows (the running maximum from the
+    start), each at most ``limit`` rows and full while rows are left; rows
+    written between pages all come, once, each bucket's in position order."""
     rng = random.Random(26)
     for round_no in range(120):
         streams: dict[int, list[tuple[Any, ...]]] = {}
@@ -247,6 +249,7 @@ def _pages_with_moves(
     session = feedread.start(None, {}, False, 0, holders, pruned)
     got: list[tuple[Any, ...]] = []
     total = sum(map(len, streams.values()))
+    session.budget = rng.choice([None, 0, 4_000, 40_000])  # ~400 bytes a row here
     for _ in range(10_000):
         page = feedread.next_rows(session, limit, rng.choice([1, 2, 16]), holders, read, pruned)
         assert len(page) <= limit
