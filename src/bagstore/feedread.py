@@ -10,7 +10,9 @@ would have at the least.  A page takes the rows that sort before the heap's
 least key; when that is not a page's worth, it reads the next few rows of only
 the buckets whose next row could come before the page's last one (one
 statement a shard), and again until the page is full.  Each row is read once,
-and the buckets a page does not reach cost it nothing.
+and the buckets a page does not reach cost it nothing.  How far ahead a
+bucket is read is bounded by the memory the reader allows its rows read
+ahead (:attr:`Session.budget`, a row's size measured from the rows read).
 
 Whatever does not go on from the session's end (another cursor, the first
 page, a session left by a failed read) starts a fresh one: the buckets'
