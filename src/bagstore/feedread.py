@@ -171,6 +171,10 @@ def next_rows(
     whole_first = active <= 8 * limit
     stuck: set[int] = set()  # buckets that read nothing twice in this call
     tried: set[int] = set()
+    # Under a budget, rows of a size not known yet: the first fill reads each
+    # bucket's least; the size known, the next reads every bucket again as
+    # a first read would (the rest of a short one), now within the budget.
+    probing, again = s.budget is not None and not s.row_bytes, False
     while True:
         held, keys, blocked = s.rows, s.keys, s.blocked
         # A row is returned once its key is at most the heap's least: a key
@@ -192,7 +196,7 @@ def next_rows(
             target = _own(held[limit - 1]) if keys is None else keys[limit - 1]
         picked: list[int] = []
         kept: list[int] = []
-        while blocked and (target is None or blocked[0] < target):
+        while blocked and (again or target is None or blocked[0] < target):
             bound = heapq.heappop(blocked)
             (kept if bound & _MASK in stuck else picked).append(bound)
         for bound in kept:
@@ -200,6 +204,11 @@ def next_rows(
         if not picked:
             break
         short = _fill(s, picked, first, most, whole_first, read)
+        again = probing and s.row_bytes > 0
+        if again:
+            probing = False
+            for bound in picked:
+                s.sizes.pop(bound & _MASK, None)
         if short:
             _recheck(s, short, holders, pruned, tried, stuck)
     n = min(n, limit)
