@@ -525,3 +525,42 @@ def test_the_read_ahead_budget_holds_for_every_kind_read(tmp_path: Path) -> None
     ds.feed.read_ahead_bytes = 0
     assert ds.feed.other("posts").read_ahead_bytes == 0
     ds.close()
+
+
+def test_a_first_page_under_a_budget_reads_every_bucket_again_once_sized() -> None:
+    """Under a memory budget, with the rows' size not known yet, a first page
+    reads each bucket's least (its share of two pages); the size measured,
+    when the page needs more, it reads every bucket again as a first read
+    would (the rest of a short one), rather than only the few buckets the
+    page needs next, one read after another: 64 buckets of 20 changes, one
+    bucket after another in time, pages of 100, read 4 rows a bucket, then
+    the other 16 of every bucket in one more read; the pages are the plain
+    merge."""
+    streams = {
+        b: [(b, i + 1, b"id", 0, 1, b * 1000 + i, None) for i in range(20)] for b in range(64)
+    }
+    reads: list[dict[int, int]] = []
+
+    def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
+        return {b: (20, 0, 0) for b in streams if wanted is None or b in wanted}
+
+    def read(
+        by_shard: dict[int, list[tuple[int, int, int]]], ends: dict[int, tuple[int, int, int]]
+    ) -> list[tuple[Any, ...]]:
+        reads.append({b: hi - lo + 1 for b, lo, hi in by_shard[0]})
+        return [r for b, lo, hi in by_shard[0] for r in streams[b][lo - 1 : hi]]
+
+    def pruned(bucket: int, at: int, low: int) -> None:
+        raise AssertionError("nothing is pruned here")
+
+    session = feedread.start(None, {}, False, 0, holders, pruned)
+    got: list[tuple[Any, ...]] = []
+    while True:
+        session.budget = 32 * 2**20
+        page = feedread.next_rows(session, 100, 16, holders, read, pruned)
+        if not page:
+            break
+        got += page
+    assert reads == [dict.fromkeys(range(64), 4), dict.fromkeys(range(64), 16)]
+    assert got == _reference(streams, set(), len(got) + 1) and len(got) == 64 * 20
+    assert session.row_bytes == 400  # no bodies: a row's own memory
