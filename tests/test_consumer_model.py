@@ -1,9 +1,9 @@
 """A named consumer's processes against a model (hypothesis, stateful): puts;
-polls by up to three processes (Subscribers) of one consumer; a process
-closed; the consumer reset to its start or its end, or dropped and
-subscribed anew, while processes hold its ranges.  After each poll, a process
-holds only ranges whose lease the catalog gives it; a process of a dropped
-consumer cannot poll; whenever the processes are drained, every change
+polls by up to three processes (Subscribers) of one consumer, their
+read-ahead budget changed; a process closed; the consumer reset to its start
+or its end, or dropped and subscribed anew, while processes hold its ranges.
+After each poll, a process holds only ranges whose lease the catalog gives
+it; a process of a dropped consumer cannot poll; whenever the processes are drained, every change
 written since the last reset to the start (since the last reset to the end:
 after it) was handled since that reset: at least once, whatever the order of
 the steps.
@@ -57,6 +57,11 @@ class Consumers(RuleBasedStateMachine):
     @rule(n=st.integers(1, 15))
     def put(self, n: int) -> None:
         self.written.update(self.ds.put_many([{"n": i} for i in range(n)]))
+
+    @rule(budget=st.sampled_from([0, 2_000, 32 * 2**20]))
+    def read_ahead(self, budget: int) -> None:
+        """The memory the processes' reads may hold ahead, together."""
+        self.ds.feed.read_ahead_bytes = budget
 
     @rule()
     def another_process(self) -> None:

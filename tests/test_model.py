@@ -1,6 +1,7 @@
 """The store against a model (hypothesis, stateful): random puts, ``put_many``,
 deletes, ``update``, conditional writes right and wrong, bucket moves, key
-migrations and a consumer's polls (its handler failing at random) on one kind,
+migrations, the feed's read-ahead budget changed and a consumer's polls (its
+handler failing at random) on one kind,
 written by one datastore.  After every step, it and a second datastore sharing
 its cache give what a dict gives (``get_many``), an index query lists exactly
 the model's matches, each id's version grew with each write, and the change
@@ -167,6 +168,12 @@ class Store(RuleBasedStateMachine):
         shards = len(self.w.shards)
         here = self.w.placement.shard_of_bucket[bucket]
         self.w.move_buckets([bucket], to=(here + 1) % shards, grace=0)
+
+    @rule(budget=st.sampled_from([0, 2_000, 32 * 2**20]))
+    def read_ahead(self, budget: int) -> None:
+        """The memory the feed's readers may hold read ahead (the pages and
+        the consumer's batches must not depend on it)."""
+        self.w.feed.read_ahead_bytes = budget
 
     @rule(fail=st.booleans())
     def consume(self, fail: bool) -> None:
