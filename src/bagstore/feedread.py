@@ -173,7 +173,7 @@ def next_rows(
     tried: set[int] = set()
     # Under a budget, rows of a size not known yet: the first fill reads each
     # bucket's least; the size known, the next reads every bucket again as
-    # a first read would (the rest of a short one), now within the budget.
+    # a first read would (the rest of a short one) when the budget allows.
     probing, again = s.budget is not None and not s.row_bytes, False
     while True:
         held, keys, blocked = s.rows, s.keys, s.blocked
@@ -204,11 +204,14 @@ def next_rows(
         if not picked:
             break
         short = _fill(s, picked, first, most, whole_first, read)
-        again = probing and s.row_bytes > 0
-        if again:
+        again = False
+        if probing and s.row_bytes:
             probing = False
-            for bound in picked:
-                s.sizes.pop(bound & _MASK, None)
+            # (only when every bucket's least read again fits in the budget)
+            again = s.row_bytes * (len(s.rows) + first * len(blocked)) <= (s.budget or 0)
+            if again:
+                for bound in picked:
+                    s.sizes.pop(bound & _MASK, None)
         if short:
             _recheck(s, short, holders, pruned, tried, stuck)
     n = min(n, limit)
