@@ -46,7 +46,6 @@ __all__ = ["Session", "next_rows"]
 
 _UPDATED, _BUCKET, _POS = itemgetter(5), itemgetter(0), itemgetter(1)
 _AT = itemgetter(0, 1)
-_TIME_BUCKET = itemgetter(5, 0)
 _LO, _HI = itemgetter(1), itemgetter(2)
 _HIGH = itemgetter(1)
 _16 = repeat(16)
@@ -289,8 +288,8 @@ def _fill(
     bs = list(map(_BUCKET, rows))
     if len(rows) == sum(counts):
         want = list(chain.from_iterable(map(repeat, buckets, counts)))
-        if bs != want:  # not in (bucket, position) order: shards one after another
-            rows.sort(key=_AT)
+        if bs != want:  # not in bucket order (shards one after another): each
+            rows.sort(key=_BUCKET)  # bucket's rows come in position order (checked next)
             bs = list(map(_BUCKET, rows))
         stops = map(add, map(_HI, asked), repeat(1))
         if bs == want and list(map(_POS, rows)) == list(
@@ -359,10 +358,14 @@ def _fill_whole(
         elif 16 * len(rows) <= len(s.rows):
             for row in rows:
                 insort(s.rows, row, key=_own)
-        else:  # two sorted runs, merged by one sort
-            rows.sort(key=_UPDATED)
-            s.rows += rows
-            s.rows.sort(key=_TIME_BUCKET)
+        else:
+            # Two stable sorts by ints (no key tuple made a row): by bucket,
+            # each bucket's rows in position order (held ones first, then
+            # those read), then by time.
+            held = s.rows
+            held += rows
+            held.sort(key=_BUCKET)
+            held.sort(key=_UPDATED)
         return
     _merge(s, _keys(ktimes, bs), rows)
 
