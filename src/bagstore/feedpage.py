@@ -132,6 +132,8 @@ class ChangePage(list[Change]):
         self.cursor = cursor
 
 
+#: positions (as bytes) up to this many are compressed with zlib's small state
+_SMALL = 4096
 #: marks positions as binary (64-bit little-endian ints); text without it is
 #: the JSON list of earlier cursors and checkpoints (base64 never holds ``~``)
 _BINARY = "~"
@@ -152,7 +154,15 @@ def encode_positions(positions: dict[int, int]) -> str:
     ints = array("q", flat)
     if sys.byteorder != "little":
         ints.byteswap()
-    raw = zlib.compress(ints.tobytes(), 1)
+    data = ints.tobytes()
+    if len(data) <= _SMALL:
+        # zlib's default state (~256 kB, cleared) costs ~50 us to set up,
+        # most of a small cursor's making; a small window and hash table
+        # compress it as well (any zlib stream decodes the same way)
+        packer = zlib.compressobj(1, zlib.DEFLATED, 13, 2)
+        raw = packer.compress(data) + packer.flush()
+    else:
+        raw = zlib.compress(data, 1)
     return _BINARY + base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
