@@ -370,8 +370,8 @@ def test_positions_text_round_trips_and_reads_the_json_form_before() -> None:
         assert feedpage.decode_positions(text) == positions
         assert "." not in text and ":" not in text  # the separators around it
     assert feedpage.encode_positions({3: 0, 5: 2}) == feedpage.encode_positions({5: 2})
-    # a small cursor is compressed with a small zlib state; one compressed
-    # with zlib's default state (earlier versions' cursors) reads the same
+    # positions are compressed with a small zlib state; those compressed
+    # with zlib's default state (earlier versions' cursors) read the same
     small = {3: 7, 10: 2}
     made = base64.urlsafe_b64decode(feedpage.encode_positions(small)[1:] + "==")
     default = base64.urlsafe_b64encode(zlib.compress(zlib.decompress(made), 1)).decode()
