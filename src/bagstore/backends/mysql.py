@@ -1,6 +1,7 @@
 """MariaDB / MySQL through PyMySQL (default) or mysqlclient (the statement
 text, :class:`MySQLDialect`, is in ``mysqlsql.py``; a put of one entity
-calls a stored procedure: ``mysqlproc.py``).
+calls a stored procedure: ``mysqlproc.py``; the drivers' error codes:
+``mysqlerrors.py``).
 
 Driver quirks live here: every session runs with ``time_zone='+00:00'`` and a
 strict ``sql_mode``; bytes go over the wire with the ``_binary`` prefix; the
@@ -42,6 +43,18 @@ from typing import Any
 
 from bagstore.backends.base import Backend, check_identifier
 from bagstore.backends.gtid import Gtids, tracking_connection
+from bagstore.backends.mysqlerrors import (
+    DEADLOCK,
+    DUPLICATE,
+    LOST,
+    READ_ONLY,
+    TIMEOUT,
+    UNAVAILABLE,
+    UNKNOWN_DATABASE,
+    UNKNOWN_VARIABLE,
+    timed_out,
+    timeout_of,
+)
 from bagstore.backends.mysqlproc import ProcedurePuts
 from bagstore.backends.mysqlsql import MySQLDialect
 from bagstore.backends.pipeline import MULTI_STATEMENTS, Pipeline
@@ -68,26 +81,6 @@ log = logging.getLogger(__name__)
 #: result metadata (MYSQL_TYPE_LONGLONG).
 _NO_SUCH_TABLE, _LONGLONG = 1146, 8
 
-# Client and server error codes, shared by PyMySQL and mysqlclient.
-_UNAVAILABLE = {
-    1040,  # too many connections
-    1053,  # server shutdown in progress
-    1927,  # connection was killed
-    2002,  # can't connect through socket
-    2003,  # can't connect to server
-    2005,  # unknown host
-    2006,  # server has gone away
-    2013,  # lost connection during query
-    2055,  # lost connection at reading initial packet
-    4031,  # disconnected by the server because of inactivity
-}
-_LOST = {1927, 2006, 2013, 2055, 4031}
-_TIMEOUT = {1205, 3024, 1969}  # lock wait timeout, max_execution_time, statement_timeout
-_DEADLOCK = {1213}
-_DUPLICATE = {1062}
-_UNKNOWN_DATABASE = 1049
-_UNKNOWN_VARIABLE = 1193
-_READ_ONLY = 1290  # the server runs with --read-only (a replica, or a fenced primary)
 _SESSION_TRACK = 1 << 23  # client capability: session state in OK packets
 _MEDIUMBLOB_MAX = 16 * 1024 * 1024 - 1
 
@@ -309,7 +302,7 @@ class MySQLBackend(ProcedurePuts, Backend):
         try:
             rows = self.fetchall("SELECT @@innodb_purge_threads, @@thread_pool_size")
         except BackendError as exc:
-            if self._code(exc.__cause__) != _UNKNOWN_VARIABLE:
+            if self._code(exc.__cause__) != UNKNOWN_VARIABLE:
                 raise
             return []  # not MariaDB
         purge, cores = int(rows[0][0]), int(rows[0][1])
@@ -396,7 +389,7 @@ class MySQLBackend(ProcedurePuts, Backend):
             try:
                 conn = connect(**self._connect_args(self.database))
             except drv.OperationalError as exc:
-                if exc.args and exc.args[0] == _UNKNOWN_DATABASE and not self._created_database:
+                if exc.args and exc.args[0] == UNKNOWN_DATABASE and not self._created_database:
                     self._create_database()
                     conn = connect(**self._connect_args(self.database))
                 else:
@@ -408,7 +401,7 @@ class MySQLBackend(ProcedurePuts, Backend):
         except drv.Error as exc:
             if self._track:
                 self.suspect = True  # no answer: is the primary elsewhere now?
-            if _timed_out(exc):
+            if timed_out(exc):
                 raise ShardTimeout(
                     f"shard {self.name}: the server did not complete a new connection within "
                     f"{self._connect_timeout:g} s (connect_timeout); nothing was sent to it "
@@ -510,20 +503,20 @@ class MySQLBackend(ProcedurePuts, Backend):
 
     def classify(self, exc: BaseException) -> type[BackendError]:
         code = self._code(exc)
-        if _timed_out(exc):
+        if timed_out(exc):
             return ShardTimeout
-        if code in _UNAVAILABLE or isinstance(exc, self._driver.InterfaceError):
+        if code in UNAVAILABLE or isinstance(exc, self._driver.InterfaceError):
             return ShardUnavailable
-        if code in _TIMEOUT:
+        if code in TIMEOUT:
             return ShardTimeout
-        if code in _DUPLICATE:
+        if code in DUPLICATE:
             return DuplicateValue
-        if code == _READ_ONLY and self._track:
+        if code == READ_ONLY and self._track:
             return ShardUnavailable  # the primary was fenced: see is_retryable
         return BackendError
 
     def translated(self, exc: BaseException) -> BackendError:
-        if not _timed_out(exc):
+        if not timed_out(exc):
             return super().translated(exc)
         bulk = self._switchable and in_long_statements()
         limit = self._bulk_timeout if bulk else self._read_timeout
@@ -533,14 +526,14 @@ class MySQLBackend(ProcedurePuts, Backend):
             f"({'bulk_timeout' if bulk else 'read_timeout'}); the statement was abandoned "
             "and its connection closed. If it was a write (or its commit), the write may or "
             "may not have been applied: read it back before writing it again "
-            f"({_timeout_of(exc)})",
+            f"({timeout_of(exc)})",
             shard=self.name,
         )
         error.__cause__ = exc
         return error
 
     def _settle(self, conn: Any, exc: BaseException) -> BaseException:
-        if isinstance(exc, self.driver_errors) and _timed_out(exc):
+        if isinstance(exc, self.driver_errors) and timed_out(exc):
             # The driver closed the connection: nothing to roll back.
             self._discard(conn)
             return self.translated(exc)
@@ -549,12 +542,12 @@ class MySQLBackend(ProcedurePuts, Backend):
     def retry_pause(self, exc: BaseException, attempt: int) -> float:
         # A deadlock victim that tries again at once meets the same writers
         # in the same order: a random pause, doubling, spreads them out.
-        if self._code(exc) in _DEADLOCK:
+        if self._code(exc) in DEADLOCK:
             return random.uniform(0.0, min(0.004 * 2**attempt, 0.25))
         return 0.0
 
     def connection_survives(self, exc: BaseException) -> bool:
-        return self._code(exc) in _DEADLOCK  # InnoDB rolled the victim back; the session is fine
+        return self._code(exc) in DEADLOCK  # InnoDB rolled the victim back; the session is fine
 
     def is_retryable(self, exc: BaseException) -> bool:
         code = self._code(exc)
@@ -562,45 +555,22 @@ class MySQLBackend(ProcedurePuts, Backend):
         # connections is not (fail fast, the caller sees ShardUnavailable), nor
         # one that did not answer in time (its write may have been applied, and
         # waiting again would double the caller's wait).
-        if _timed_out(exc):
+        if timed_out(exc):
             return False
-        if code == _READ_ONLY and self._track:
+        if code == READ_ONLY and self._track:
             self.suspect = True  # fenced (a switchover): look for the primary again
             return True
         if not code and isinstance(exc, self._driver.InterfaceError):
             # the rollback after a lost connection found it closed: the loss counts
             return self.is_retryable(exc.__context__) if exc.__context__ is not None else False
-        return code in _DEADLOCK or code in _LOST
+        return code in DEADLOCK or code in LOST
 
     def outcome_unknown(self, exc: BaseException) -> bool:
         code = self._code(exc)
         if not code and isinstance(exc, self._driver.InterfaceError):
             return self.outcome_unknown(exc.__context__) if exc.__context__ is not None else False
-        return code in _LOST and not _timed_out(exc)
+        return code in LOST and not timed_out(exc)
 
 
 class _NotPrimary(ShardUnavailable):
     """A new connection found a server that is not (or no longer) the primary."""
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """Whether a driver error means a client-side timeout expired."""
-    return _timeout_of(exc) is not None
-
-
-def _timeout_of(exc: BaseException) -> BaseException | None:
-    """The driver error that reported a client-side timeout, if ``exc`` is one
-    or was raised while handling one (a rollback on the connection the timeout
-    closed): PyMySQL raises its "lost connection" / "gone away" / "can't
-    connect" errors from the socket's ``TimeoutError``.  (mysqlclient's read
-    timeout is a plain error 2013, which looks like a lost connection:
-    ShardUnavailable.)"""
-    seen: BaseException | None = exc
-    for _ in range(4):
-        if seen is None:
-            return None
-        cause = seen.__context__ or getattr(seen, "original_exception", None)
-        if isinstance(cause, TimeoutError):
-            return seen
-        seen = cause
-    return None
