@@ -3,10 +3,10 @@ polls by up to three processes (Subscribers) of one consumer, their
 read-ahead budget changed; a process closed; the consumer reset to its start
 or its end, or dropped and subscribed anew, while processes hold its ranges.
 After each poll, a process holds only ranges whose lease the catalog gives
-it; a process of a dropped consumer cannot poll; whenever the processes are drained, every change
-written since the last reset to the start (since the last reset to the end:
-after it) was handled since that reset: at least once, whatever the order of
-the steps.
+it; a process of a dropped consumer cannot poll; whenever the processes are
+drained, every change written since the last reset to the start (since the
+last reset to the end: after it) was handled since that reset: at least
+once, whatever the order of the steps.
 
 SQLite and MariaDB, each run on a kind and a consumer of its own in one store.
 A few runs here (fixed seed); ``BAGSTORE_CONSUMER_RUNS=N`` runs N."""

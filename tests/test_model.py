@@ -1,14 +1,14 @@
 """The store against a model (hypothesis, stateful): random puts, ``put_many``,
 deletes, ``update``, conditional writes right and wrong, bucket moves, key
 migrations, the feed's read-ahead budget changed and a consumer's polls (its
-handler failing at random) on one kind,
-written by one datastore.  After every step, it and a second datastore sharing
-its cache give what a dict gives (``get_many``), an index query lists exactly
-the model's matches, each id's version grew with each write, and the change
-feed, read on from the last step's cursor, ends each id on its last write with
-the versions of its puts rising.  At the end, the consumer, drained, handled
-every change, each bucket's in order, and applying them by docs/changes.md's
-rule ends where the store is.
+handler failing at random) on one kind, written by one datastore.  After every
+step, it and a second datastore sharing its cache give what a dict gives
+(``get_many``), an index query lists exactly the model's matches, each id's
+version grew with each write, and the change feed, read on from the last
+step's cursor, ends each id on its last write with the versions of its puts
+rising.  At the end, the consumer, drained, handled every change, each
+bucket's in order, and applying them by docs/changes.md's rule ends where the
+store is.
 
 Kinds placed by the id, by a hash of a shard key and by the directory; SQLite
 with the in-process cache, MariaDB with Redis; each run of the machine on a kind

@@ -47,6 +47,7 @@ from bagstore.backends.mysqlerrors import (
     DEADLOCK,
     DUPLICATE,
     LOST,
+    NO_SUCH_TABLE,
     READ_ONLY,
     TIMEOUT,
     UNAVAILABLE,
@@ -77,9 +78,8 @@ SQL_MODE = (
 INIT_COMMAND = f"SET time_zone = '+00:00', sql_mode = '{SQL_MODE}', group_concat_max_len = 16777216"
 
 log = logging.getLogger(__name__)
-#: A table that does not exist (ER_NO_SUCH_TABLE); a BIGINT column's type in
-#: result metadata (MYSQL_TYPE_LONGLONG).
-_NO_SUCH_TABLE, _LONGLONG = 1146, 8
+#: A BIGINT column's type in result metadata (MYSQL_TYPE_LONGLONG).
+_LONGLONG = 8
 
 _SESSION_TRACK = 1 << 23  # client capability: session state in OK packets
 _MEDIUMBLOB_MAX = 16 * 1024 * 1024 - 1
@@ -180,7 +180,7 @@ class MySQLBackend(ProcedurePuts, Backend):
                 cur.execute(sql)
                 return {str(d[0]).lower(): int(d[1]) for d in cur.description}
             except self._driver.ProgrammingError as exc:
-                if exc.args and exc.args[0] == _NO_SUCH_TABLE:
+                if exc.args and exc.args[0] == NO_SUCH_TABLE:
                     return {}
                 raise
             finally:
@@ -330,7 +330,7 @@ class MySQLBackend(ProcedurePuts, Backend):
                 row = cur.fetchone()
                 epoch = int(row[0]) if row else 0
             except self._driver.Error as exc:
-                if self._code(exc) != 1146:  # no such table: no failover yet
+                if self._code(exc) != NO_SUCH_TABLE:  # no failover yet
                     raise
         finally:
             cur.close()

@@ -7,7 +7,9 @@ from __future__ import annotations
 __all__ = [
     "DEADLOCK",
     "DUPLICATE",
+    "LOCK_WAIT_TIMEOUT",
     "LOST",
+    "NO_SUCH_TABLE",
     "READ_ONLY",
     "TIMEOUT",
     "UNAVAILABLE",
@@ -30,10 +32,12 @@ UNAVAILABLE = {
     4031,  # disconnected by the server because of inactivity
 }
 LOST = {1927, 2006, 2013, 2055, 4031}
-TIMEOUT = {1205, 3024, 1969}  # lock wait timeout, max_execution_time, statement_timeout
+LOCK_WAIT_TIMEOUT = 1205
+TIMEOUT = {LOCK_WAIT_TIMEOUT, 3024, 1969}  # and max_execution_time, statement_timeout
 DEADLOCK = {1213}
 DUPLICATE = {1062}
 UNKNOWN_DATABASE = 1049
+NO_SUCH_TABLE = 1146
 UNKNOWN_VARIABLE = 1193
 READ_ONLY = 1290  # the server runs with --read-only (a replica, or a fenced primary)
 

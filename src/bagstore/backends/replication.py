@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bagstore.backends.mysql import MySQLBackend
+from bagstore.backends.mysqlerrors import LOCK_WAIT_TIMEOUT, NO_SUCH_TABLE, UNKNOWN_DATABASE
 from bagstore.errors import BackendError, ConfigurationError
 
 __all__ = [
@@ -40,9 +41,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_NO_TABLE = 1146
-_NO_DATABASE = 1049
-_LOCK_WAIT_TIMEOUT = 1205
 #: How long ``SET GLOBAL read_only = ON`` may wait for the server's global
 #: read lock (seconds) before the client connections in its way are closed,
 #: and how many times it is tried.  The lock waits for every statement that
@@ -170,7 +168,7 @@ class Servers:
                     try:
                         cur.execute("SELECT epoch, servers FROM bagstore_role WHERE one = 1")
                     except b.driver_errors as exc:
-                        if b._code(exc) == _NO_TABLE:
+                        if b._code(exc) == NO_SUCH_TABLE:
                             return None, read_only
                         raise
                     row = cur.fetchone()
@@ -181,7 +179,7 @@ class Servers:
             try:
                 return b.run(work, attempts=1)
             except BackendError as exc:
-                if b._code(exc.__cause__) != _NO_DATABASE:
+                if b._code(exc.__cause__) != UNKNOWN_DATABASE:
                     raise
             # a new store: no role yet; only whether the server is read-only
             other = self.backend.sibling(
@@ -292,7 +290,7 @@ class Servers:
             try:
                 return self._run(address, statements)
             except BackendError as exc:
-                if self.backend._code(exc.__cause__) != _LOCK_WAIT_TIMEOUT:
+                if self.backend._code(exc.__cause__) != LOCK_WAIT_TIMEOUT:
                     raise
                 if attempt == READ_ONLY_TRIES:
                     raise BackendError(
