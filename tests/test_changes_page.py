@@ -264,10 +264,12 @@ def _pages_with_moves(
     ("changes", "buckets", "limit", "most", "ranges"),
     [
         (30, 64, 64, 16, [30]),
-        (40, 64, 64, 16, [2, 8, 30]),
+        (100, 64, 64, 16, [2, 8, 32, 58]),
         (30, 64, 4, 16, [2, 28]),
-        (300, 64, 1000, 32, [32, 128, 140]),
-        (100, 2, 10, 4, [10, 20, 20, 20, 30]),
+        (300, 64, 1000, 32, [300]),
+        (1200, 64, 1000, 32, [32, 128, 512, 528]),
+        (100, 2, 10, 4, [100]),
+        (300, 2, 10, 4, [10, 40, 80, 80, 90]),
     ],
 )
 def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end(
@@ -277,14 +279,16 @@ def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end(
     rows, its first read too, rather than its share of a page and more
     ranges for what is left (a range costs more than its rows): 64 buckets
     of 30 changes, pages of 64, are read in one range a bucket; buckets of
-    40 (more than twice ``most``) first by their share of a page (2 rows),
-    then 8 (four times that), then the rest; pages of 4 rows (less than an
-    eighth of a row a bucket) read a bucket first by its share, 2 rows, and
-    the rest after; the pages are the plain merge.  A bucket's reads grow
-    past ``most`` up to four times its first read, two pages at most: 64
-    buckets of 300 changes, pages of 1,000 (MariaDB's ``most``, 32) read 32,
-    then 128, then the rest (140, at most twice 128); 2 buckets of 100,
-    pages of 10, read 10, then 20 at a time (two pages), then the rest."""
+    100 (more than twice ``most``, 32 here) first by their share of a page
+    (2 rows), then 8 (four times that), then 32, then the rest; pages of 4
+    rows (less than an eighth of a row a bucket) read a bucket first by its
+    share, 2 rows, and the rest after; the pages are the plain merge.  A
+    bucket's reads grow past ``most`` up to sixteen times its first read,
+    eight pages at most: 64 buckets of 300 changes, pages of 1,000
+    (MariaDB's ``most``, 32), read each bucket whole at once (at most twice
+    512); of 1,200 they read 32, then 128, then 512, then the rest (528);
+    2 buckets of 100, pages of 10, are read whole at once; of 300, they
+    read 10, then 40, then 80 at a time (eight pages), then the rest."""
     streams = {
         b: [(b, i + 1, b"id", 0, 1, i * 64 + b, None) for i in range(changes)]
         for b in range(buckets)

@@ -23,15 +23,14 @@ def _mysql(backend: Backend) -> bool:
 
 
 def rows_per_range(backend: Backend) -> int:
-    """The most rows a reader asks of one bucket at a time (bagstore.feedread):
+    """The least bound on the rows a reader asks of one bucket at a time
+    (bagstore.feedread.next_rows raises it with the page: up to sixteen
+    times a bucket's first read, within the reader's memory budget):
     MariaDB spends ~30 us on each range of an ``OR`` beyond its rows
     (measured: 200 ranges of 4 rows 20 ms, one range of 800 rows 8 ms), so
     it is asked for longer ones; on SQLite a range costs ~8k instructions
     beyond its rows (the search, the Python around it), half a row's
-    reading: 16 rows keep that to ~1/16 of a row's cost while holding at most
-    16 rows a bucket waiting in memory (twice that when a bucket's whole
-    rest is read in one range, from its first read on, see
-    :func:`bagstore.feedread._fill`)."""
+    reading: 16 rows keep that to ~1/16 of a row's cost."""
     return 32 if _mysql(backend) else 16
 
 
