@@ -33,6 +33,12 @@ Metrics (each backend; four shards, 64 buckets unless said):
   page needs every bucket's next change), where raw scans each shard once
   in (bucket, position) order whatever the bucket count, and it hands out a
   ``Change`` a row (raw: the driver's tuples).  Goal: >= 0.8x.
+- ``changes read, raw merging by time by hand``: the raw read's rows
+  of every shard held at once, sorted by time (then bucket and position),
+  handed out 1,000 at a time and each body decoded, beside the raw read by
+  position: what the merge alone costs a read without any bookkeeping (no
+  memory bound, no cursor, no ``Change``), the most a merged read can
+  reach.  Reported.
 - ``4 writers of one bucket``: four threads putting entities of one shard
   key (one bucket), feed on vs off: with the feed on, writers of one bucket
   wait for each other's commit (its position row).  Reported.
@@ -48,7 +54,8 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from operator import itemgetter
 from typing import Any
 
 import bagstore
@@ -179,7 +186,7 @@ def put_cost(backend: str, shards: Shards, rounds: int, seconds: float) -> list[
     return rows
 
 
-def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: int) -> Row:
+def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: int) -> list[Row]:
     ds = bagstore.Datastore(shards.urls[:SHARDS], buckets=buckets, kind="readme")
     ds.feed.enable(bodies=True)
     for start in range(0, total, 500):
@@ -209,29 +216,53 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         assert n == total, (n, total)
         return n / (time.perf_counter() - t0)
 
+    def fetched(conn: Any) -> Iterator[list[Any]]:
+        """The kind's rows on one shard, 1,000 a statement, by position."""
+        after, cur = (-1, 0), conn.cursor()
+        while True:
+            cur.execute(sql, params(*after))
+            got = cur.fetchall()
+            yield got
+            if len(got) < 1000:
+                break
+            after = got[-1][0], got[-1][1]
+        cur.close()
+
     def raw_all() -> float:
         n, t0 = 0, time.perf_counter()
         for conn in conns:
-            after, cur = (-1, 0), conn.cursor()
-            while True:
-                cur.execute(sql, params(*after))
-                got = cur.fetchall()
+            for got in fetched(conn):
                 for r in got:
                     codec.decode(r[6])  # both drivers return a BLOB as bytes
                 n += len(got)
-                if len(got) < 1000:
-                    break
-                after = got[-1][0], got[-1][1]
-            cur.close()
         assert n == total, (n, total)
         return n / (time.perf_counter() - t0)
 
-    r = alternate({"bag": bag_all, "raw": raw_all}, rounds)
+    def raw_merged() -> float:
+        # The least a read merged by time can cost: every row held at once
+        # and sorted by time (stable sorts: bucket, then position, within a
+        # time), pages of 1,000 handed out; no memory bound, no cursor, no
+        # object made a row.
+        t0 = time.perf_counter()
+        rows = [r for conn in conns for got in fetched(conn) for r in got]
+        rows.sort(key=itemgetter(0))
+        rows.sort(key=itemgetter(5))
+        for start in range(0, len(rows), 1000):
+            for r in rows[start : start + 1000]:
+                codec.decode(r[6])
+        assert len(rows) == total, (len(rows), total)
+        return total / (time.perf_counter() - t0)
+
+    r = alternate({"bag": bag_all, "raw": raw_all, "merged": raw_merged}, rounds)
     for conn in conns:
         conn.close()
     ds.close()
-    return paired(f"{backend}: changes read (pages of 1,000, bodies, {buckets:,} buckets), "
-                  "changes", r["bag"], r["raw"], goal=0.8)  # fmt: skip
+    return [
+        paired(f"{backend}: changes read (pages of 1,000, bodies, {buckets:,} buckets), "
+               "changes", r["bag"], r["raw"], goal=0.8),
+        paired(f"{backend}: changes read, raw merging by time by hand (all rows held) vs "
+               f"raw by position ({buckets:,} buckets)", r["merged"], r["raw"], goal="report"),
+    ]  # fmt: skip
 
 
 def _writers(ds: bagstore.Datastore, threads: int, seconds: float) -> float:
@@ -312,12 +343,12 @@ def run_backend(backend: str, args: argparse.Namespace) -> list[Row]:
         if args.only in ("all", "bucket"):
             rows.append(one_bucket(backend, urls, args.rounds, args.seconds))
         if args.only in ("all", "read"):
-            rows.append(read_speed(backend, shards, args.changes, args.rounds, BUCKETS))
+            rows += read_speed(backend, shards, args.changes, args.rounds, BUCKETS)
         if args.only in ("all", "lag"):
             rows.append(lag(backend, urls, args.lag_seconds))
     if args.only in ("all", "read"):  # the store's default bucket count, fresh shards
         with fresh_shards(backend, SHARDS + 1, "bagbench_feed_dflt") as shards:
-            rows.append(read_speed(backend, shards, args.changes, args.rounds, DEFAULT_BUCKETS))
+            rows += read_speed(backend, shards, args.changes, args.rounds, DEFAULT_BUCKETS)
     return rows
 
 
