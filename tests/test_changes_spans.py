@@ -113,8 +113,11 @@ def test_range_reads_as_spans_give_exactly_the_rows_asked(topo: Topology) -> Non
 def test_positions_read_as_one_text_agree_with_rows(topo: Topology) -> None:
     """A shard's positions (MariaDB: one text a shard, parsed) are the
     position rows as they are, alone and several shards a statement,
-    buckets without changes and kinds without rows included; a text that
-    does not hold its count of positions (cut short) is read as rows."""
+    buckets without changes and kinds without rows included, with what they
+    add up to; a text that does not hold its count of positions or does not
+    add up (cut short) is read as rows.  Given the sums read last, a shard
+    whose positions still add up to them answers None, and its positions
+    once a write moved them."""
     ds = topo.open(buckets=64)
     ds.feed.enable()
     ds.put_many([{"n": i} for i in range(300)])
@@ -128,32 +131,53 @@ def test_positions_read_as_one_text_agree_with_rows(topo: Topology) -> None:
         )
         return {int(x): (int(p), int(q)) for x, p, q in rows}
 
+    def sums(found: dict[int, tuple[int, int]]) -> tuple[int, int, int, int]:
+        return (len(found), sum(found), sum(p for p, _ in found.values()),
+                sum(q for _, q in found.values()))  # fmt: skip
+
     for kind in (ds.kind, "nothing_here"):
         expected = {no: as_rows(b, kind) for no, b in enumerate(backends)}
-        assert {no: changesql.positions(b, kind) for no, b in enumerate(backends)} == expected
+        read = {no: changesql.positions(b, kind) for no, b in enumerate(backends)}
+        assert read == {no: (sums(e), e) for no, e in expected.items()}
         if len(backends) > 1:
-            assert changesql.positions_together(kind, list(enumerate(backends))) == expected
+            triples = [(no, b, None) for no, b in enumerate(backends)]
+            assert changesql.positions_together(kind, triples) == read
+            known = [(no, b, read[no][0]) for no, b in enumerate(backends)]
+            assert changesql.positions_together(kind, known) == {
+                no: (read[no][0], None) for no in read
+            }
+        for no, b in enumerate(backends):
+            assert changesql.positions(b, kind, read[no][0]) == (read[no][0], None)
     assert sum(map(len, expected.values())) == 0
     assert sum(len(as_rows(b, ds.kind)) for b in backends) >= 32  # (not vacuous)
+    # a write moves its shard's sums on: its positions are read again
+    before = {no: changesql.positions(b, ds.kind)[0] for no, b in enumerate(backends)}
+    ds.put({"n": 300})
+    after = {no: changesql.positions(b, ds.kind, before[no]) for no, b in enumerate(backends)}
+    moved = [no for no, (_, found) in after.items() if found is not None]
+    assert len(moved) == 1 and after[moved[0]][1] == as_rows(backends[moved[0]], ds.kind)
+    assert after[moved[0]][0] == sums(as_rows(backends[moved[0]], ds.kind)) != before[moved[0]]
     whole = changesql._concatenated
-    assert whole(0, None, None) == {}
-    assert whole(2, 24, "3,7,0,4,9,1") == {3: (7, 0), 4: (9, 1)}
-    assert whole(2, 24, b"3,7,0,4,9,1") == {3: (7, 0), 4: (9, 1)}
-    assert whole(3, 45, "3,7,0,4,9,1") is None  # cut short
-    assert whole(2, 33, "3,7,0,4,9,1") is None  # cut within its last number (10)
-    assert whole(2, 24, "3,7,0,4,9,") is None  # cut after a comma
-    assert whole(2, 24, None) is None
+    assert whole((0, 0, 0, 0), None) == {}
+    assert whole((2, 7, 16, 1), "3,7,0,4,9,1") == {3: (7, 0), 4: (9, 1)}
+    assert whole((2, 7, 16, 1), b"3,7,0,4,9,1") == {3: (7, 0), 4: (9, 1)}
+    assert whole((3, 7, 16, 1), "3,7,0,4,9,1") is None  # cut short
+    assert whole((2, 7, 16, 10), "3,7,0,4,9,1") is None  # cut within its last number (10)
+    assert whole((2, 7, 16, 1), "3,7,0,4,9,") is None  # cut after a comma
+    assert whole((2, 7, 16, 1), None) is None
     if topo.is_mysql:  # a session that cuts the text: what it reads is refused
         backend: Any = backends[0]
-        sql, params = changesql._positions_sql(backend, 0, ds.kind, False)
+        sql, params = changesql._positions_sql(backend, 0, ds.kind, False, None)
         with backend.connection() as conn:
             cur = conn.cursor()
             for cut in (4, 5, 17, 33):  # (4: the least MariaDB takes)
                 cur.execute(f"SET SESSION group_concat_max_len = {cut}")
                 cur.execute(sql, params)
                 row = cur.fetchall()[0]
-                assert row[1] > 1 and whole(*row[1:]) is None, (cut, row)
+                cut_sums = tuple(int(x) for x in row[1:5])
+                assert row[1] > 1 and whole(cut_sums, row[5]) is None, (cut, row)
             cur.execute("SET SESSION group_concat_max_len = 16777216")
             cur.execute(sql, params)
-            assert whole(*cur.fetchall()[0][1:]) == as_rows(backend, ds.kind)
+            row = cur.fetchall()[0]
+            assert whole(tuple(int(x) for x in row[1:5]), row[5]) == as_rows(backend, ds.kind)
     ds.close()

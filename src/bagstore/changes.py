@@ -37,7 +37,8 @@ import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, repeat
+from operator import add
 from typing import TYPE_CHECKING, Any
 
 from bagstore import feedread
@@ -65,6 +66,11 @@ _CURSOR_PREFIX = "c1."
 _SESSIONS = 64
 #: the default of :attr:`Feed.read_ahead_bytes`
 READ_AHEAD_BYTES = 32 * 2**20
+#: seconds a reader's positions read afresh may be taken again when their
+#: sums have not moved (then they are read whole again): the longest a
+#: change could wait if a bucket's rows leaving a shard and others arriving
+#: there ever added up the same (see Feed.holders)
+_POLLED_TRUST = 1.0
 
 
 @dataclass(frozen=True)
@@ -93,9 +99,14 @@ class Feed:
         self._sessions: dict[frozenset[int] | None, feedread.Session] = {}
         self._others: dict[str, Feed] = {}  # other kinds' feeds (see other())
         #: the last cursor made: (cursor, its positions, its epoch)
-        self._issued: tuple[str, dict[int, int], int] | None = None
+        self._issued: tuple[str, dict[int, int], int, int] | None = None
         self._read_ahead = READ_AHEAD_BYTES
         self._row_bytes = 0  # a row's memory, as the last read measured it
+        #: of each shard, the positions a reader read last (see holders):
+        #: (backend, placement version, when read whole, sums, positions)
+        self._polled: dict[int, tuple[Backend, int, float, sql.Sums, dict[int, tuple[int, int]]]]
+        self._polled = {}
+        self._on_at = -1e9  # when check_on last found the feed on
 
     @property
     def read_ahead_bytes(self) -> int:
@@ -154,6 +165,7 @@ class Feed:
         """Stop recording the kind's writes (the changes kept stay readable)."""
         self.router.on_all(lambda b: sql.set_triggers(b, self.kind, on=False))
         self.catalog.delete_where("bagstore_feeds", {"kind": self.kind})
+        self._on_at = -1e9
 
     def prepare(self, backend: Backend) -> None:
         """A new shard records the kind's changes as the others do."""
@@ -167,37 +179,45 @@ class Feed:
         """``{bucket: (last position, last pruned)}``; see :meth:`holders`."""
         return {b: (top, pruned) for b, (top, pruned, _) in self.holders(buckets).items()}
 
-    def holders(self, buckets: Iterable[int] | None = None) -> dict[int, tuple[int, int, int]]:
+    def holders(
+        self, buckets: Iterable[int] | None = None, *, polled: bool = False
+    ) -> dict[int, tuple[int, int, int]]:
         """``{bucket: (last position, last pruned, shard)}``: of each bucket, the
         shard holding its newest changes.  Every shard is asked: during and
         just after a bucket move, two hold the bucket's changes (the newer
         copy a superset of the older), and this process's placement may be
-        out of date; a tie goes to the shard the placement names."""
+        out of date; a tie goes to the shard the placement names.
+
+        ``polled`` (a reader's positions read afresh): a shard whose positions
+        add up to what they did at this feed's last such read, within
+        :data:`_POLLED_TRUST` seconds and the same placement, answers with
+        one row and those positions are taken again (see
+        :data:`bagstore.backends.changesql.Sums`)."""
         placement = self.router.refresh()
         backends = self.router.backends
         wanted = None if buckets is None else self._bucket_set(buckets)
+        now = time.monotonic()
+        known: dict[int, sql.Sums | None] = dict.fromkeys(range(len(backends)))
+        last = self._polled.copy() if polled else {}
+        for s, (backend, version, at, sums, _) in last.items():
+            trusted = version == placement.version and now - at < _POLLED_TRUST
+            if s in known and backends[s] is backend and trusted:
+                known[s] = sums
 
-        def on(group: list[int]) -> dict[int, dict[int, tuple[int, int]]]:
+        def on(group: list[int]) -> dict[int, sql.Positions]:
             if len(group) == 1:
-                return {group[0]: sql.positions(backends[group[0]], self.kind)}
-            return sql.positions_together(self.kind, [(s, backends[s]) for s in group])
+                return {group[0]: sql.positions(backends[group[0]], self.kind, known[group[0]])}
+            return sql.positions_together(self.kind, [(s, backends[s], known[s]) for s in group])
 
         found: dict[int, dict[int, tuple[int, int]]] = {}
         for part in self.router.map(on, self._groups(list(range(len(backends))))):
-            found.update(part)
-        out: dict[int, tuple[int, int, int]] = {}
-        for shard in sorted(found):
-            for b, (top, pruned) in found[shard].items():
-                if b >= placement.buckets or (wanted is not None and b not in wanted):
-                    continue
-                best = out.get(b)
-                if (
-                    best is None
-                    or top > best[0]
-                    or (top == best[0] and placement.shard_of_bucket[b] == shard)
-                ):
-                    out[b] = (top, pruned, shard)
-        return out
+            for s, (sums, got) in part.items():
+                if got is None:  # as read before
+                    got = last[s][4]
+                elif polled:
+                    self._polled[s] = (backends[s], placement.version, now, sums, got)
+                found[s] = got
+        return _holders(found, placement, wanted)
 
     def read(
         self,
@@ -221,7 +241,12 @@ class Feed:
         # Taken out while in use: a thread reading the same buckets at the
         # same time starts its own session.
         session = self._sessions.pop(key, None)
-        holders = self.holders
+        every = None if key is None else set(key)
+
+        def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
+            # all the session's buckets read afresh (a page after the last
+            # rows known, or following the feed's end): polled
+            return self.holders(wanted, polled=wanted == every)
 
         def pruned(bucket: int, at: int, low: int) -> None:
             self._pruned(bucket, at, low, who)
@@ -289,7 +314,13 @@ class Feed:
             return sql.ranges_together(self.kind, parts)
 
         parts = self.router.map(on, self._groups(sorted(by_shard)))
-        return parts[0] if len(parts) == 1 else list(chain.from_iterable(parts))
+        rows = parts[0] if len(parts) == 1 else list(chain.from_iterable(parts))
+        asked = sum(hi - lo + 1 for rs in by_shard.values() for _, lo, hi in rs)
+        if self._polled and len(rows) < asked:
+            # rows missing where positions said (moved, pruned): positions
+            # are read whole again (see holders)
+            self._polled.clear()
+        return rows
 
     def _groups(self, shards: list[int]) -> list[list[int]]:
         """Shards grouped so that one statement reads each group (databases of
@@ -372,10 +403,14 @@ class Feed:
     def cursor(self, positions: dict[int, int]) -> str:
         """An opaque, signed cursor holding ``positions`` (and the epoch)."""
         epoch = self.epoch()
-        body = f"{self.router.placement.version}.{epoch}.{encode_positions(positions)}"
+        version = self.router.placement.version
+        issued = self._issued
+        if issued is not None and issued[2:] == (epoch, version) and issued[1] == positions:
+            return issued[0]  # the same again (a reader at the feed's end)
+        body = f"{version}.{epoch}.{encode_positions(positions)}"
         cursor = f"{_CURSOR_PREFIX}{body}.{self._mac(body)}"
         if min(positions.values(), default=1) > 0:  # what decoding it gives back
-            self._issued = (cursor, dict(positions), epoch)
+            self._issued = (cursor, dict(positions), epoch, version)
         return cursor
 
     def positions_of(self, cursor: object) -> dict[int, int]:
@@ -426,11 +461,15 @@ class Feed:
     def check_on(self) -> None:
         """ConfigurationError if the kind's feed is off and keeps no change
         (nothing to read, nor ever will be until it is switched on)."""
+        now = time.monotonic()
+        if now - self._on_at < self.router.refresh_interval:
+            return  # found on that recently (a reader polling the feed's end)
         if self.settings() is None and not self.ends():
             raise ConfigurationError(
                 f"the change feed of kind {self.kind!r} is off (ds.feed.enable(), or "
                 "`bagstore feed on`)"
             )
+        self._on_at = now
 
     # -- other kinds, consumers (bagstore.subscriber) ------------------------------
     def other(self, kind: str | None) -> Feed:
@@ -519,3 +558,34 @@ def bump_epoch(catalog: Backend) -> int:
     epoch = (int(rows[0][0]) if rows else 0) + 1
     catalog.upsert("bagstore_meta", {"name": "feed_epoch"}, {"value": str(epoch)})
     return epoch
+
+
+def _holders(
+    found: dict[int, dict[int, tuple[int, int]]], placement: Any, wanted: frozenset[int] | None
+) -> dict[int, tuple[int, int, int]]:
+    """:meth:`Feed.holders` of the shards' positions ``found``."""
+    out: dict[int, tuple[int, int, int]] = {}
+    if sum(map(len, found.values())) == len(set(chain.from_iterable(found.values()))):
+        # Each bucket on one shard (no move under way nor left): in C loops,
+        # no bytecode a bucket (1,024 a read afresh, at every poll of a
+        # reader that follows the feed's end).
+        for shard in sorted(found):
+            mine = found[shard]
+            out.update(zip(mine, map(add, mine.values(), repeat((shard,))), strict=True))
+        if wanted is not None:
+            out = {b: out[b] for b in sorted(wanted) if b in out}
+        elif out and max(out) >= placement.buckets:
+            out = {b: v for b, v in out.items() if b < placement.buckets}
+        return out
+    for shard in sorted(found):
+        for b, (top, pruned) in found[shard].items():
+            if b >= placement.buckets or (wanted is not None and b not in wanted):
+                continue
+            best = out.get(b)
+            if (
+                best is None
+                or top > best[0]
+                or (top == best[0] and placement.shard_of_bucket[b] == shard)
+            ):
+                out[b] = (top, pruned, shard)
+    return out

@@ -40,12 +40,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, compress, count, islice, repeat
 from operator import add, gt, itemgetter, lshift, lt, or_, sub
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["Session", "next_rows"]
 
 _UPDATED, _BUCKET, _POS = itemgetter(5), itemgetter(0), itemgetter(1)
 _AT = itemgetter(0, 1)
+_FIRST, _LOW = itemgetter(0), itemgetter(1)  # (an end's last position, last pruned)
 _LO, _HI = itemgetter(1), itemgetter(2)
 _HIGH = itemgetter(1)
 _16 = repeat(16)
@@ -129,6 +130,24 @@ def _refresh(s: Session, holders: Holders, pruned: Pruned) -> None:
     what was read go to the heap."""
     s.ends = ends = holders(None if s.buckets is None else set(s.buckets))
     read_to, after, blocked = s.read_to, s.after, s.blocked
+    got = list(map(read_to.get, ends))
+    if None not in got:
+        ats = cast("list[tuple[int, int]]", got)
+        # Every bucket read before (a reader going on, or following the
+        # feed's end): in C loops, no bytecode a bucket but for those with
+        # changes after what was read, or pruned past it.
+        reads = list(map(_FIRST, ats))
+        tops, lows = map(_FIRST, ends.values()), map(_LOW, ends.values())
+        for b, (top, low, _), (pos, high) in compress(
+            zip(ends, ends.values(), ats, strict=True),
+            map(or_, map(gt, tops, reads), map(gt, lows, reads)),
+        ):
+            if pos < low:
+                pruned(b, pos, low)
+            if top > pos:
+                blocked.append(_key(high, b))
+        heapq.heapify(blocked)
+        return
     for b, (top, low, _) in ends.items():
         at = read_to.get(b)
         if at is None:
