@@ -24,6 +24,15 @@ def seeded(ds: bagstore.Datastore) -> bagstore.Datastore:
     return ds
 
 
+@pytest.fixture(scope="module")
+def shared_seeded(shared_topo: Topology) -> bagstore.Datastore:
+    """``seeded``, one a module: the tests of refused input share it (each
+    compares what is stored before and after)."""
+    ds = shared_topo.open()
+    ds.put_many([{"n": i, "title": f"t{i}"} for i in range(10)])
+    return ds
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
@@ -42,14 +51,14 @@ def seeded(ds: bagstore.Datastore) -> bagstore.Datastore:
     ],
 )
 def test_bad_entity_is_refused_and_nothing_changes(
-    seeded: bagstore.Datastore, bad: object, message: str
+    shared_seeded: bagstore.Datastore, bad: object, message: str
 ) -> None:
-    before = _snapshot(seeded)
+    before = _snapshot(shared_seeded)
     with pytest.raises(bagstore.InvalidEntity, match=message):
-        seeded.put(bad)  # type: ignore[arg-type]
+        shared_seeded.put(bad)  # type: ignore[arg-type]
     with pytest.raises(bagstore.InvalidEntity):
-        seeded.put_many([{"fine": 1}, bad])  # type: ignore[list-item]
-    assert _snapshot(seeded) == before
+        shared_seeded.put_many([{"fine": 1}, bad])  # type: ignore[list-item]
+    assert _snapshot(shared_seeded) == before
 
 
 def test_body_over_the_backend_limit_is_refused(seeded: bagstore.Datastore) -> None:
@@ -73,17 +82,17 @@ def test_body_just_under_the_limit_is_stored(topo: Topology) -> None:
 
 
 @pytest.mark.parametrize("bad", ["abc", b"short", 12, None, bytearray(16)])
-def test_bad_ids_on_read_and_delete(seeded: bagstore.Datastore, bad: object) -> None:
-    before = _snapshot(seeded)
+def test_bad_ids_on_read_and_delete(shared_seeded: bagstore.Datastore, bad: object) -> None:
+    before = _snapshot(shared_seeded)
     with pytest.raises(bagstore.InvalidQuery):
-        seeded.get(bad)  # type: ignore[arg-type]
+        shared_seeded.get(bad)  # type: ignore[arg-type]
     with pytest.raises(bagstore.InvalidQuery):
-        seeded.get_many([bagstore.new_id(), bad])  # type: ignore[list-item]
+        shared_seeded.get_many([bagstore.new_id(), bad])  # type: ignore[list-item]
     with pytest.raises(bagstore.InvalidQuery):
-        seeded.delete(bad)  # type: ignore[arg-type]
+        shared_seeded.delete(bad)  # type: ignore[arg-type]
     with pytest.raises(bagstore.InvalidQuery):
-        seeded.delete_many([next(iter(before)), bad])  # type: ignore[list-item]
-    assert _snapshot(seeded) == before
+        shared_seeded.delete_many([next(iter(before)), bad])  # type: ignore[list-item]
+    assert _snapshot(shared_seeded) == before
 
 
 @pytest.mark.parametrize(
@@ -217,32 +226,32 @@ def test_bad_store_options_are_refused_and_record_nothing(
 
 
 @pytest.mark.parametrize("bad", [None, 5, 2.5, True, "ab" * 16, b"x" * 16])
-def test_id_lists_that_are_not_lists(seeded: bagstore.Datastore, bad: object) -> None:
+def test_id_lists_that_are_not_lists(shared_seeded: bagstore.Datastore, bad: object) -> None:
     """Found by hypothesis: TypeError (not iterable) rather than InvalidQuery."""
-    before = _snapshot(seeded)
-    for method in (seeded.get_many, seeded.delete_many):
+    before = _snapshot(shared_seeded)
+    for method in (shared_seeded.get_many, shared_seeded.delete_many):
         with pytest.raises(bagstore.InvalidQuery, match="takes a list of ids"):
             method(bad)  # type: ignore[arg-type]
-    assert _snapshot(seeded) == before
+    assert _snapshot(shared_seeded) == before
 
 
 @pytest.mark.parametrize("bad", [[b"x" * 16], {}, "ab", None])
-def test_other_arguments_of_the_wrong_type(seeded: bagstore.Datastore, bad: object) -> None:
+def test_other_arguments_of_the_wrong_type(shared_seeded: bagstore.Datastore, bad: object) -> None:
     """Found by hypothesis: TypeError (unhashable) or AttributeError before."""
-    before = _snapshot(seeded)
+    before = _snapshot(shared_seeded)
     with pytest.raises(bagstore.InvalidQuery, match="an id must be"):
-        seeded.bucket_of_id(bad)  # type: ignore[arg-type]
+        shared_seeded.bucket_of_id(bad)  # type: ignore[arg-type]
     with pytest.raises(bagstore.InvalidQuery, match=r"takes a bagstore\.Index"):
-        seeded.query_index(bad, {"n": 1})  # type: ignore[arg-type]
+        shared_seeded.query_index(bad, {"n": 1})  # type: ignore[arg-type]
     with pytest.raises(bagstore.ConfigurationError):
-        seeded.sequence("s", block=bad)  # type: ignore[arg-type]
+        shared_seeded.sequence("s", block=bad)  # type: ignore[arg-type]
     if not isinstance(bad, str):
         with pytest.raises(bagstore.ConfigurationError):
-            seeded.sequence(bad)  # type: ignore[arg-type]
+            shared_seeded.sequence(bad)  # type: ignore[arg-type]
     if bad is None:
         with pytest.raises(bagstore.ConfigurationError, match="list of bucket numbers"):
-            seeded.move_buckets(bad, to=0)  # type: ignore[arg-type]
-    assert _snapshot(seeded) == before
+            shared_seeded.move_buckets(bad, to=0)  # type: ignore[arg-type]
+    assert _snapshot(shared_seeded) == before
 
 
 def test_buckets_to_move_given_as_a_generator_all_move(tmp_path: Path) -> None:
