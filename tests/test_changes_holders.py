@@ -174,8 +174,31 @@ def test_positions_polled_are_taken_again_while_their_sums_hold(
     read_at = {s: entry[2] for s, entry in feed._polled.items()}
     assert read_at and ds.changes(since=page.cursor) == []
     assert {s: entry[2] for s, entry in feed._polled.items()} == read_at  # not read whole
-    # On one shard, one bucket's last position up by one (its change row
-    # added) and another's down by one: the same sums.
+    _, up, down, top, backend = _same_sums_change(ds)
+    p = backend.dialect.param
+    assert ds.changes(since=page.cursor) == []  # its sums held: not read whole yet
+    monkeypatch.setattr(changes_module, "_POLLED_TRUST", 0.0)
+    late = ds.changes(since=page.cursor)
+    assert [(c.bucket, c.position) for c in late] == [(up, top + 1)]
+    assert late[0].id in ids
+    # a range read that comes back short drops what was polled
+    monkeypatch.setattr(changes_module, "_POLLED_TRUST", 3600.0)
+    assert ds.changes(since=late.cursor) == [] and feed._polled
+    backend.execute(
+        f"UPDATE {changesql.POSITIONS} SET pos = pos + 2 WHERE kind = {p} AND bucket = {p}",
+        [ds.kind, down],
+    )  # one past what was read, with no change row there: the sums moved, the
+    # positions are read whole, and the row they promise is missing
+    assert ds.changes(since=late.cursor) == []
+    assert feed._polled == {}
+
+
+def _same_sums_change(ds: bagstore.Datastore) -> tuple[int, int, int, int, Any]:
+    """On one shard, one bucket's last position up by one (its change row
+    added) and another's down by one: positions that add up as before.
+    ``(shard, the bucket with the new change, the other, the first's last
+    position before, the shard's backend)``."""
+    feed = ds.feed
     holders = feed.holders()
     shard = holders[0][2]
     mine = sorted(b for b, (top, _, s) in holders.items() if s == shard and top >= 2)
@@ -195,18 +218,29 @@ def test_positions_polled_are_taken_again_while_their_sums_hold(
             f"UPDATE {changesql.POSITIONS} SET pos = pos + {p} WHERE kind = {p} AND bucket = {p}",
             [step, ds.kind, bucket],
         )
+    return shard, up, down, top, backend
+
+
+def test_positions_polled_are_read_whole_after_the_placement_changed(
+    topo: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Positions kept from a poll are not taken again once the placement has
+    moved on (a bucket moved between two other shards), however their sums
+    stand."""
+    from bagstore import changes as changes_module
+
+    monkeypatch.setattr(changes_module, "_POLLED_TRUST", 3600.0)
+    ds = topo.open(buckets=16)
+    ds.feed.enable()
+    ds.put_many([{"n": i} for i in range(60)])
+    page = ds.changes(limit=1000)
+    assert len(page) == 60 and ds.changes(since=page.cursor) == []
+    shard, up, _, top, _ = _same_sums_change(ds)
     assert ds.changes(since=page.cursor) == []  # its sums held: not read whole yet
-    monkeypatch.setattr(changes_module, "_POLLED_TRUST", 0.0)
+    others = [s for s in range(len(ds.router.backends)) if s != shard]
+    moved = ds.placement.buckets_of_shard(others[0])[0]
+    version = ds.placement.version
+    ds.move_buckets([moved], to=others[1])
+    assert ds.feed.router.refresh().version != version
     late = ds.changes(since=page.cursor)
     assert [(c.bucket, c.position) for c in late] == [(up, top + 1)]
-    assert late[0].id in ids
-    # a range read that comes back short drops what was polled
-    monkeypatch.setattr(changes_module, "_POLLED_TRUST", 3600.0)
-    assert ds.changes(since=late.cursor) == [] and feed._polled
-    backend.execute(
-        f"UPDATE {changesql.POSITIONS} SET pos = pos + 2 WHERE kind = {p} AND bucket = {p}",
-        [ds.kind, down],
-    )  # one past what was read, with no change row there: the sums moved, the
-    # positions are read whole, and the row they promise is missing
-    assert ds.changes(since=late.cursor) == []
-    assert feed._polled == {}
