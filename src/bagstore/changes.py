@@ -264,7 +264,8 @@ class Feed:
         session.budget = max(0, self._read_ahead - others * size)
         rows = feedread.next_rows(session, limit, most, holders, self._read_ranges, pruned)
         self._row_bytes = session.row_bytes
-        while len(sessions) >= _SESSIONS:  # the oldest dropped; threads may race here
+        # the oldest dropped (threads may race here, and drop one too many)
+        while len(sessions) >= _SESSIONS and key not in sessions:
             sessions.pop(next(iter(sessions.copy()), None), None)
         sessions[key] = session
         return page_changes(rows, self.kind), dict(session.after)
