@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Final, NamedTuple, Self
+from typing import Any, Final, NamedTuple, Self
 from urllib.parse import unquote, urlsplit
 
 import pymysql
@@ -233,9 +233,48 @@ def create_databases(
 def drop_databases(
     host: str, port: int, names: Iterable[str], user: str = "root", password: str = ""
 ) -> None:
-    """``DROP DATABASE IF EXISTS`` each of ``names``."""
-    sqls = [f"DROP DATABASE IF EXISTS {quote_ident(name)}" for name in names]
-    _execute_all(host, port, user, password, sqls)
+    """``DROP DATABASE IF EXISTS`` each of ``names``.
+
+    MariaDB has been seen to leave a trigger file's backup (``*.TRG-``) in a
+    test database's directory under concurrent DDL; the drop then fails with
+    "Directory not empty" (1010), and does so again however often it is
+    tried.  On a server of this machine (its data directory readable here),
+    such leftovers of a database being dropped are removed and the drop is
+    tried once more."""
+    conn = _connect(host, port, user, password)
+    try:
+        with conn.cursor() as cur:
+            for name in names:
+                sql = f"DROP DATABASE IF EXISTS {quote_ident(name)}"
+                try:
+                    cur.execute(sql)
+                except pymysql.err.OperationalError as e:
+                    if e.args[0] != _DROP_RMDIR_FAILED or not _remove_leftovers(cur, name):
+                        raise
+                    cur.execute(sql)
+    finally:
+        conn.close()
+
+
+_DROP_RMDIR_FAILED = 1010  # ER_DB_DROP_RMDIR
+#: what the server writes beside a trigger's files while it changes them
+_LEFTOVER_SUFFIXES = (".TRG-", ".TRN-", ".TRG~", ".TRN~")
+
+
+def _remove_leftovers(cur: Any, name: str) -> bool:
+    """Remove the trigger files' backups left in database ``name``'s
+    directory, when the server's data directory is on this machine and the
+    directory holds nothing else; True if the directory was cleared."""
+    cur.execute("SELECT @@datadir")
+    directory = Path(str(cur.fetchone()[0])) / name
+    if not directory.is_dir():
+        return False
+    files = list(directory.iterdir())
+    if not files or not all(f.name.endswith(_LEFTOVER_SUFFIXES) for f in files):
+        return False
+    for f in files:
+        f.unlink()
+    return True
 
 
 def _running_as_root() -> bool:

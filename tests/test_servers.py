@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pymysql
 import pytest
 
 from tests import servers
@@ -179,6 +180,41 @@ def test_create_and_drop_databases_on_the_standard_server() -> None:
             assert not set(names) & {row[0] for row in cur.fetchall()}
     finally:
         conn.close()
+
+
+@pytest.mark.mysql
+def test_a_drop_left_half_done_by_a_trigger_files_backup_is_finished() -> None:
+    """MariaDB can leave ``<table>.TRG-`` in a database's directory, after
+    which its drop fails with "Directory not empty" however often it is
+    tried; the fixtures' drop removes such a leftover and drops it.  Any
+    other file left there is not touched: the drop fails."""
+    host, port, user, password = servers.parse_mysql_url(servers.MYSQL_URL)
+    require(servers.mysql_reachable(host, port, user, password))
+    conn = servers._connect(host, port, user, password)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT @@datadir")
+            datadir = Path(str(cur.fetchone()[0]))  # type: ignore[index]
+    finally:
+        conn.close()
+    if not os.access(datadir, os.W_OK):
+        pytest.skip("the server's data directory is not writable from here")
+    names = [servers.unique_name("servers_left"), servers.unique_name("servers_left")]
+    servers.create_databases(host, port, names, user, password)
+    (datadir / names[0] / "bagstore_owned.TRG-").write_text("TYPE=TRIGGERS\n")
+    (datadir / names[1] / "stranger.txt").write_text("not the server's\n")
+    try:
+        servers.drop_databases(host, port, names[:1], user, password)
+        assert not (datadir / names[0]).exists()
+        with pytest.raises(pymysql.err.OperationalError, match="Directory not empty"):
+            servers.drop_databases(host, port, names[1:], user, password)
+        assert (datadir / names[1] / "stranger.txt").exists()
+    finally:
+        stranger = datadir / names[1] / "stranger.txt"
+        if stranger.exists():
+            stranger.unlink()
+        servers.drop_databases(host, port, names, user, password)
+    assert not (datadir / names[1]).exists()
 
 
 # ---------------------------------------------------------------------------
