@@ -95,8 +95,8 @@ class _Dropper:
 
     def drain(self) -> None:
         self._work.join()
-        if self._failed:
-            failed, self._failed[:] = list(self._failed), []
+        failed, self._failed = self._failed, []
+        if failed:
             raise RuntimeError("; ".join(failed))
 
 

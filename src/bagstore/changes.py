@@ -316,8 +316,9 @@ class Feed:
 
         parts = self.router.map(on, self._groups(sorted(by_shard)))
         rows = parts[0] if len(parts) == 1 else list(chain.from_iterable(parts))
-        asked = sum(hi - lo + 1 for rs in by_shard.values() for _, lo, hi in rs)
-        if self._polled and len(rows) < asked:
+        if self._polled and len(rows) < sum(
+            hi - lo + 1 for rs in by_shard.values() for _, lo, hi in rs
+        ):
             # rows missing where positions said (moved, pruned): positions
             # are read whole again (see holders)
             self._polled.clear()
