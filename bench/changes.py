@@ -39,6 +39,10 @@ Metrics (each backend; four shards, 64 buckets unless said):
   position: what the merge alone costs a read without any bookkeeping (no
   memory bound, no cursor, no ``Change``), the most a merged read can
   reach.  Reported.
+- ``changes read vs raw ... asking the columns packed`` (MariaDB): bagstore's
+  read beside the raw read asking what bagstore asks through PyMySQL, which
+  parses each column of a row in Python: a row's five integers and its id
+  packed by the server into one binary value, unpacked in C loops.  Reported.
 - ``4 writers of one bucket``: four threads putting entities of one shard
   key (one bucket), feed on vs off: with the feed on, writers of one bucket
   wait for each other's commit (its position row).  Reported.
@@ -55,11 +59,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from operator import itemgetter
+from operator import add, itemgetter
 from typing import Any
 
 import bagstore
 from bagstore import codec
+from bagstore.backends import changerange
 from bagstore.backends.mysql import MySQLDialect
 from bagstore.backends.sqlite import SQLiteDialect
 from bagstore.catalog import DEFAULT_BUCKETS
@@ -78,6 +83,10 @@ from bench.common import (
 )
 
 SHARDS = 4
+#: a change row's five integers and id as bagstore asks them of MariaDB
+#: through PyMySQL (bagstore.backends.changerange), and their layout
+_PACKED_COLUMNS = changerange._PACKED_READ.removeprefix("SELECT ").removesuffix(", body FROM ")
+_LAYOUT = changerange._PACKED
 BUCKETS = 64
 RAW = "entities"
 
@@ -200,11 +209,14 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
     else:
         after_sql = "(bucket > %s OR (bucket = %s AND pos > %s))"
         params = lambda b, p: ["readme", b, b, p]  # noqa: E731
-    sql = (
-        "SELECT bucket, pos, id, op, version, updated, body FROM bagstore_changes "
-        f"WHERE kind = {'?' if backend == 'sqlite' else '%s'} AND {after_sql} "
-        "ORDER BY bucket, pos LIMIT 1000"
+    where = (
+        f"FROM bagstore_changes WHERE kind = {'?' if backend == 'sqlite' else '%s'} "
+        f"AND {after_sql} ORDER BY bucket, pos LIMIT 1000"
     )
+    sql = f"SELECT bucket, pos, id, op, version, updated, body {where}"
+    # What bagstore asks through PyMySQL: five integers and the id packed by
+    # the server into one binary value (bagstore.backends.changerange).
+    packed_sql = f"SELECT {_PACKED_COLUMNS}, body {where}"
 
     def bag_all() -> float:
         n, since, t0 = 0, None, time.perf_counter()
@@ -216,22 +228,26 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         assert n == total, (n, total)
         return n / (time.perf_counter() - t0)
 
-    def fetched(conn: Any) -> Iterator[list[Any]]:
-        """The kind's rows on one shard, 1,000 a statement, by position."""
+    def fetched(conn: Any, packed: bool = False) -> Iterator[list[Any]]:
+        """The kind's rows on one shard, 1,000 a statement, by position
+        (``packed``: asked packed, unpacked in C loops)."""
         after, cur = (-1, 0), conn.cursor()
         while True:
-            cur.execute(sql, params(*after))
+            cur.execute(packed_sql if packed else sql, params(*after))
             got = cur.fetchall()
+            if packed and got:
+                ints = _LAYOUT.iter_unpack(b"".join(map(itemgetter(0), got)))
+                got = list(map(add, ints, zip(map(itemgetter(1), got))))
             yield got
             if len(got) < 1000:
                 break
             after = got[-1][0], got[-1][1]
         cur.close()
 
-    def raw_all() -> float:
+    def raw_all(packed: bool = False) -> float:
         n, t0 = 0, time.perf_counter()
         for conn in conns:
-            for got in fetched(conn):
+            for got in fetched(conn, packed):
                 for r in got:
                     codec.decode(r[6])  # both drivers return a BLOB as bytes
                 n += len(got)
@@ -253,16 +269,26 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         assert len(rows) == total, (len(rows), total)
         return total / (time.perf_counter() - t0)
 
-    r = alternate({"bag": bag_all, "raw": raw_all, "merged": raw_merged}, rounds)
+    sides = {"bag": bag_all, "raw": raw_all, "merged": raw_merged}
+    if backend == "mysql":
+        sides["packed"] = lambda: raw_all(packed=True)
+    r = alternate(sides, rounds)
     for conn in conns:
         conn.close()
     ds.close()
-    return [
+    rows = [
         paired(f"{backend}: changes read (pages of 1,000, bodies, {buckets:,} buckets), "
                "changes", r["bag"], r["raw"], goal=0.8),
         paired(f"{backend}: changes read, raw merging by time by hand (all rows held) vs "
                f"raw by position ({buckets:,} buckets)", r["merged"], r["raw"], goal="report"),
     ]  # fmt: skip
+    if backend == "mysql":
+        rows.append(
+            paired(f"{backend}: changes read vs raw by position asking the columns packed "
+                   f"as bagstore does ({buckets:,} buckets)", r["bag"], r["packed"],
+                   goal="report")
+        )  # fmt: skip
+    return rows
 
 
 def _writers(ds: bagstore.Datastore, threads: int, seconds: float) -> float:

@@ -5,9 +5,11 @@ statement (:mod:`bagstore.feedread` asks them; the tables are
 from __future__ import annotations
 
 import functools
+import struct
 from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import chain, pairwise
+from operator import add, itemgetter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -37,6 +39,21 @@ def rows_per_range(backend: Backend) -> int:
 #: Ranges per statement of :func:`read_ranges`.
 _RANGES_PER_STATEMENT = 200
 _READ = "SELECT bucket, pos, id, op, version, updated, body FROM "
+#: MariaDB through a driver that parses each column of a row in Python
+#: (PyMySQL, ~0.4 us a column): the row's five integers and its id packed
+#: by the server into one binary value of fixed widths, big-endian (a
+#: bucket is below 65,536, an op below 256; HEX of a negative BIGINT is its
+#: 64-bit two's complement), unpacked in C loops (:func:`_rows`).
+#: Measured, 20,000 rows of 4 shards: 82 ms as seven columns, 46 ms packed,
+#: the server's packing included; through mysqlclient (a C parser) 31 ms
+#: against 40 ms, so it is not packed there.
+_PACKED_READ = (
+    "SELECT CONCAT(UNHEX(LPAD(HEX(bucket), 4, '0')), UNHEX(LPAD(HEX(pos), 16, '0')), id, "
+    "UNHEX(LPAD(HEX(op), 2, '0')), UNHEX(LPAD(HEX(version), 16, '0')), "
+    "UNHEX(LPAD(HEX(updated), 16, '0'))), body FROM "
+)
+_PACKED = struct.Struct(">Hq16sBqq")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 #: SQLite: the sizes of the ``VALUES`` lists of ranges a read is padded to
 #: (each ~1.4 times the last): a few statement texts, each compiled once per
 #: connection (its statement cache), a padding range costing ~half a range.
@@ -165,7 +182,8 @@ def _ranges_sql(
     params: list[Any] = []
     if _mysql(backend):
         where, params = _mysql_ranges(p, ranges, known)
-        return f"{_READ}{table} WHERE kind = {p} AND ({where})", [kind, *params]
+        read = _PACKED_READ if backend.parses_in_python else _READ
+        return f"{read}{table} WHERE kind = {p} AND ({where})", [kind, *params]
     n = len(ranges)
     size = _SIZES[bisect_left(_SIZES, n)]
     params = list(chain.from_iterable(ranges))
@@ -193,8 +211,18 @@ def read_ranges(
         sql, params = _ranges_sql(
             backend, kind, ranges[start : start + _RANGES_PER_STATEMENT], False, known
         )
-        out += backend.fetchall(sql, params)
+        out += _rows(backend, backend.fetchall(sql, params))
     return out
+
+
+def _rows(backend: Backend, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Change rows as :func:`_ranges_sql` read them from ``backend``, as
+    ``(bucket, pos, id, op, version, updated, body)`` tuples: those read
+    packed (:data:`_PACKED_READ`) unpacked, in C loops."""
+    if not rows or not (backend.parses_in_python and _mysql(backend)):
+        return rows
+    ints = _PACKED.iter_unpack(b"".join(map(_FIRST, rows)))
+    return list(map(add, ints, zip(map(_SECOND, rows))))
 
 
 def table_of(backend: Backend, table: str, qualified: bool) -> str:
@@ -222,7 +250,8 @@ def ranges_together(
             selects.append(sql)
             params += more
         reach = list({id(b): b for b, _, _ in chunk}.values())
-        out.extend(lead.read_together(lead.dialect.union_all_sql(selects), params, reach))
+        rows = lead.read_together(lead.dialect.union_all_sql(selects), params, reach)
+        out.extend(_rows(lead, rows))
 
     for backend, ranges, known in parts:
         for start in range(0, len(ranges), _RANGES_PER_STATEMENT):

@@ -158,6 +158,7 @@ class MySQLBackend(ProcedurePuts, Backend):
         # PyMySQL reads a connection's timeouts at each packet: they can change
         # between statements (a bulk step's longer ones, the handshake's shorter).
         self._switchable = self._driver.__name__ == "pymysql"
+        self.parses_in_python = self._switchable
         self._created_database = replica
         self._track = bool(replicas) and not replica
         self._tracking_class: Any = None
