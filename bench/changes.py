@@ -39,6 +39,13 @@ Metrics (each backend; four shards, 64 buckets unless said):
   position: what the merge alone costs a read without any bookkeeping (no
   memory bound, no cursor, no ``Change``), the most a merged read can
   reach.  Reported.
+- ``a consumer's polls``: a named consumer (``ds.subscribe``, a new one each
+  round, from the oldest change; batches of 1,000, every body decoded by
+  its handler) polled until it has handled the 20,000 changes, its set-up
+  not timed, beside the raw read by position: each poll renews its leases,
+  reads each of its 16 bucket ranges' next batch (merged by time within
+  the range), renews that range's lease, hands it over and checkpoints it
+  in the catalog (two commits a batch).  Reported.
 - ``changes read vs raw ... asking the columns packed`` (MariaDB): bagstore's
   read beside the raw read asking what bagstore asks through PyMySQL, which
   parses each column of a row in Python: a row's five integers and its id
@@ -218,6 +225,10 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
     # the server into one binary value (bagstore.backends.changerange).
     packed_sql = f"SELECT {_PACKED_COLUMNS}, body {where}"
 
+    def decoded(changes: list[bagstore.Change]) -> None:
+        for c in changes:
+            c.entity  # noqa: B018  (decoded when read)
+
     def bag_all() -> float:
         n, since, t0 = 0, None, time.perf_counter()
         while page := ds.changes(since=since, limit=1000):
@@ -227,6 +238,20 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
             since = page.cursor
         assert n == total, (n, total)
         return n / (time.perf_counter() - t0)
+
+    consumers = iter(range(1_000_000))
+
+    def consumer_all() -> float:
+        # a new named consumer each round (from the oldest change), its
+        # polls timed: the subscription's one-time set-up is not
+        sub = ds.subscribe(f"bench{next(consumers)}", decoded, batch=1000)
+        n, t0 = 0, time.perf_counter()
+        while n < total:
+            n += sub.poll()
+        rate = n / (time.perf_counter() - t0)
+        sub.close()
+        assert n == total, (n, total)
+        return rate
 
     def fetched(conn: Any, packed: bool = False) -> Iterator[list[Any]]:
         """The kind's rows on one shard, 1,000 a statement, by position
@@ -269,7 +294,7 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         assert len(rows) == total, (len(rows), total)
         return total / (time.perf_counter() - t0)
 
-    sides = {"bag": bag_all, "raw": raw_all, "merged": raw_merged}
+    sides = {"bag": bag_all, "raw": raw_all, "merged": raw_merged, "consumer": consumer_all}
     if backend == "mysql":
         sides["packed"] = lambda: raw_all(packed=True)
     r = alternate(sides, rounds)
@@ -281,6 +306,8 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
                "changes", r["bag"], r["raw"], goal=0.8),
         paired(f"{backend}: changes read, raw merging by time by hand (all rows held) vs "
                f"raw by position ({buckets:,} buckets)", r["merged"], r["raw"], goal="report"),
+        paired(f"{backend}: a consumer's polls (batches of 1,000, each checkpointed) vs raw "
+               f"by position ({buckets:,} buckets)", r["consumer"], r["raw"], goal="report"),
     ]  # fmt: skip
     if backend == "mysql":
         rows.append(

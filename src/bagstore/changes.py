@@ -227,10 +227,15 @@ class Feed:
         *,
         who: str = "",
         oldest: bool = False,
+        ends: dict[int, tuple[int, int, int]] | None = None,
     ) -> tuple[list[Change], dict[int, int]]:
         """The next changes after ``positions`` (of ``buckets``, default all),
         at most ``limit``, and the positions after them.  ``oldest``: a bucket
         missing from ``positions`` starts at the oldest change kept.
+        ``ends``: :meth:`holders` of every bucket as the caller read them
+        just before, taken once for the buckets' positions read afresh (a
+        consumer's poll reads them once for all its ranges; the changes
+        committed since wait for its next poll).
 
         A read that goes on from where the last one of the same buckets ended
         costs what its rows cost (:mod:`bagstore.feedread`); another starts
@@ -242,10 +247,18 @@ class Feed:
         # same time starts its own session.
         session = self._sessions.pop(key, None)
         every = None if key is None else set(key)
+        given = [ends]
 
         def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
             # all the session's buckets read afresh (a page after the last
-            # rows known, or following the feed's end): polled
+            # rows known, or following the feed's end): the caller's, once,
+            # else polled
+            if wanted == every:
+                known, given[0] = given[0], None
+                if known is not None:
+                    if wanted is None:
+                        return known
+                    return {b: known[b] for b in sorted(wanted) if b in known}
             return self.holders(wanted, polled=wanted == every)
 
         def pruned(bucket: int, at: int, low: int) -> None:

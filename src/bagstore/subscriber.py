@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bagstore.backends.changesql import renew_leases
 from bagstore.changes import Feed
 from bagstore.errors import ConfigurationError, InvalidQuery
 from bagstore.feedpage import Change, decode_positions, encode_positions
@@ -185,9 +186,13 @@ class Subscriber:
         for no, _, owner, until in rows:
             if no in self.held and (owner != self.member or until <= now):
                 del self.held[no]  # lapsed: another process may have it now
-        for no in list(self.held):
-            if not self._renew(no, now):
-                del self.held[no]
+        held = sorted(self.held)
+        if held and renew_leases(
+            self.catalog, self.name, self.member, held, now + self.lease_us
+        ) < len(held):
+            for no in held:  # some lost meanwhile: which (renewed again, one by one)
+                if not self._renew(no, now):
+                    del self.held[no]
         for no in sorted(self.held)[share:]:
             self.catalog.update(
                 RANGE_ROWS,
@@ -226,6 +231,9 @@ class Subscriber:
         self._in_handler = False
         self.balance()
         handled = 0
+        # every bucket's positions read once for all the ranges held (one
+        # statement, not one a range: ~2 ms each on MariaDB)
+        ends = self.feed.holders(polled=True) if self.held else None
         for no in sorted(self.held):
             positions = self.held[no]
             self.feed.check_epoch(self.epochs[no], f"consumer {self.name!r}")
@@ -234,6 +242,7 @@ class Subscriber:
                 self.batch,
                 range_buckets(self.buckets, self.ranges, no),
                 who=self.name,
+                ends=ends,
             )
             if not changes:
                 continue

@@ -72,6 +72,7 @@ __all__ = [
     "prune",
     "ranges_together",
     "read_ranges",
+    "renew_leases",
     "rows_per_range",
     "set_positions",
     "set_triggers",
@@ -156,6 +157,19 @@ def create_feed_catalog(backend: Backend) -> None:
             "CREATE TABLE IF NOT EXISTS bagstore_consumer_members (name VARCHAR(64) NOT NULL, "
             "member VARCHAR(64) NOT NULL, seen BIGINT NOT NULL, PRIMARY KEY (name, member))" + s,
         ]
+    )
+
+
+def renew_leases(
+    catalog: Backend, name: str, member: str, ranges: Sequence[int], until: int
+) -> int:
+    """Move the leases of consumer ``name``'s ``ranges`` that ``member``
+    holds on to ``until`` (µs), one statement; the number renewed."""
+    p = catalog.dialect.param
+    return catalog.execute(
+        f"UPDATE bagstore_consumer_ranges SET lease_until = {p} WHERE name = {p} "
+        f"AND owner = {p} AND range_no IN ({', '.join([p] * len(ranges))})",
+        [until, name, member, *ranges],
     )
 
 
