@@ -200,8 +200,14 @@ def _same_sums_change(ds: bagstore.Datastore) -> tuple[int, int, int, int, Any]:
     position before, the shard's backend)``."""
     feed = ds.feed
     holders = feed.holders()
-    shard = holders[0][2]
-    mine = sorted(b for b, (top, _, s) in holders.items() if s == shard and top >= 2)
+    # the shard with the most buckets of two changes or more (bucket 0 may
+    # have none: 60 entities leave one of 16 buckets empty ~2% of the time)
+    by_shard: dict[int, list[int]] = {}
+    for b, (top, _, s) in holders.items():
+        if top >= 2:
+            by_shard.setdefault(s, []).append(b)
+    shard = max(by_shard, key=lambda s: len(by_shard[s]))
+    mine = sorted(by_shard[shard])
     assert len(mine) >= 2
     up, down = mine[0], mine[1]
     backend: Any = feed.router.backends[shard]
