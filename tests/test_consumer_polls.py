@@ -49,6 +49,25 @@ def test_a_poll_reads_positions_once_for_all_its_ranges(topo: Topology) -> None:
     assert polls[0][0] >= 300 and sum(n for n, _ in polls) == 301
     assert sorted(handled) == sorted(ids) and len(ids) == 301
     consumer.close()
+    # a new consumer over ranges of which all but one have no change: its
+    # ranges' new sessions read no positions of their own either
+    ds.feed.disable()
+    one = topo.open(buckets=64, kind="lonely")
+    one.feed.enable()
+    one.put({"n": 1})
+    real_one = one.feed.holders
+
+    def counted_one(*args: Any, **kwargs: Any) -> Any:
+        reads.append(args)
+        return real_one(*args, **kwargs)
+
+    one.feed.holders = counted_one  # type: ignore[method-assign]
+    lonely = one.subscribe("lonely", lambda changes: None, batch=1000)
+    reads.clear()  # (a new consumer's start: the oldest positions kept)
+    assert (lonely.poll(), len(reads)) == (1, 1)
+    reads.clear()
+    assert (lonely.poll(), len(reads)) == (0, 1)
+    lonely.close()
 
 
 def test_balance_renews_the_leases_in_one_statement_and_finds_those_lost(

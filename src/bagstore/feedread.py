@@ -96,6 +96,8 @@ class Session:
     budget: int | None = None
     #: the memory a row read takes, estimated from the rows read (0: none yet)
     row_bytes: int = 0
+    #: positions read afresh by :func:`start` and not used by a page yet
+    fresh: bool = False
 
     def goes_on(
         self, positions: dict[int, int], buckets: frozenset[int] | None, oldest: bool, epoch: int
@@ -122,6 +124,7 @@ def start(
     change kept with ``oldest``) in the feed's ``epoch``."""
     s = Session(buckets, oldest, epoch, dict(positions))
     _refresh(s, holders, pruned)
+    s.fresh = True
     return s
 
 
@@ -168,8 +171,10 @@ def next_rows(
     """The next ``limit`` rows (at most) of the session in merge order, and
     the session moved on past them (``s.after``); ``most``: rows read at most
     from one bucket at a time."""
-    if not s.blocked and len(s.rows) < limit:
-        # Every bucket was read to the positions known: read them afresh.
+    fresh, s.fresh = s.fresh, False
+    if not s.blocked and len(s.rows) < limit and not fresh:
+        # Every bucket was read to the positions known: read them afresh
+        # (unless the session's start just did).
         s.blocked = []
         _refresh(s, holders, pruned)
     active = max(1, len(s.blocked))
