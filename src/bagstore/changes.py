@@ -232,10 +232,9 @@ class Feed:
         """The next changes after ``positions`` (of ``buckets``, default all),
         at most ``limit``, and the positions after them.  ``oldest``: a bucket
         missing from ``positions`` starts at the oldest change kept.
-        ``ends``: :meth:`holders` of every bucket as the caller read them
-        just before, taken once for the buckets' positions read afresh (a
-        consumer's poll reads them once for all its ranges; the changes
-        committed since wait for its next poll).
+        ``ends``: :meth:`holders` as the caller read them just before, taken
+        once for the buckets' positions read afresh (a consumer's poll: once
+        for all its ranges; changes committed since wait for its next poll).
 
         A read that goes on from where the last one of the same buckets ended
         costs what its rows cost (:mod:`bagstore.feedread`); another starts
@@ -247,19 +246,15 @@ class Feed:
         # same time starts its own session.
         session = self._sessions.pop(key, None)
         every = None if key is None else set(key)
-        given = [ends]
 
         def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
-            # all the session's buckets read afresh (a page after the last
-            # rows known, or following the feed's end): the caller's, once,
-            # else polled
-            if wanted == every:
-                known, given[0] = given[0], None
-                if known is not None:
-                    if wanted is None:
-                        return known
-                    return {b: known[b] for b in sorted(wanted) if b in known}
-            return self.holders(wanted, polled=wanted == every)
+            # all the session's buckets read afresh (a page after the rows
+            # known, or following the feed's end): the caller's once, or polled
+            nonlocal ends
+            if wanted != every or ends is None:
+                return self.holders(wanted, polled=wanted == every)
+            known, ends = ends, None
+            return known if wanted is None else {b: known[b] for b in sorted(wanted) if b in known}
 
         def pruned(bucket: int, at: int, low: int) -> None:
             self._pruned(bucket, at, low, who)
@@ -329,9 +324,8 @@ class Feed:
 
         parts = self.router.map(on, self._groups(sorted(by_shard)))
         rows = parts[0] if len(parts) == 1 else list(chain.from_iterable(parts))
-        if self._polled and len(rows) < sum(
-            hi - lo + 1 for rs in by_shard.values() for _, lo, hi in rs
-        ):
+        asked = (hi - lo + 1 for r in by_shard.values() for _, lo, hi in r)  # (summed if polled)
+        if self._polled and len(rows) < sum(asked):
             # rows missing where positions said (moved, pruned): positions
             # are read whole again (see holders)
             self._polled.clear()
