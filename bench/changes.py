@@ -39,6 +39,12 @@ Metrics (each backend; four shards, 64 buckets unless said):
   position: what the merge alone costs a read without any bookkeeping (no
   memory bound, no cursor, no ``Change``), the most a merged read can
   reach.  Reported.
+- ``changes read, raw merging by time by hand making a Change a row``: the
+  same, each page of 1,000 made bagstore's ``Change`` objects as a page of
+  ``ds.changes`` is (``bagstore.feedpage.page_changes``) and each
+  ``.entity`` read: what a merged read that hands out an object a change
+  costs without bagstore's bookkeeping (cursors, sessions, memory bound).
+  Reported.
 - ``a consumer's polls``: a named consumer (``ds.subscribe``, a new one each
   round, from the oldest change; batches of 1,000, every body decoded by
   its handler) polled until it has handled the 20,000 changes, its set-up
@@ -76,6 +82,7 @@ from bagstore.backends import changerange
 from bagstore.backends.mysql import MySQLDialect
 from bagstore.backends.sqlite import SQLiteDialect
 from bagstore.catalog import DEFAULT_BUCKETS
+from bagstore.feedpage import page_changes
 from bagstore.sharding.hashing import bucket_of
 from bench.common import (
     Row,
@@ -282,22 +289,32 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         assert n == total, (n, total)
         return n / (time.perf_counter() - t0)
 
-    def raw_merged() -> float:
+    def raw_merged(changes: bool = False) -> float:
         # The least a read merged by time can cost: every row held at once
         # and sorted by time (stable sorts: bucket, then position, within a
         # time), pages of 1,000 handed out; no memory bound, no cursor, no
-        # object made a row.
+        # object made a row (``changes``: each page made bagstore's
+        # `Change`s, as a page is, and each `.entity` read).
         t0 = time.perf_counter()
         rows = [r for conn in conns for got in fetched(conn) for r in got]
         rows.sort(key=itemgetter(0))
         rows.sort(key=itemgetter(5))
         for start in range(0, len(rows), 1000):
+            if changes:
+                decoded(page_changes(rows[start : start + 1000], "readme"))
+                continue
             for r in rows[start : start + 1000]:
                 codec.decode(r[6])
         assert len(rows) == total, (len(rows), total)
         return total / (time.perf_counter() - t0)
 
-    sides = {"bag": bag_all, "raw": raw_all, "merged": raw_merged, "consumer": consumer_all}
+    sides = {
+        "bag": bag_all,
+        "raw": raw_all,
+        "merged": raw_merged,
+        "merged_changes": lambda: raw_merged(changes=True),
+        "consumer": consumer_all,
+    }
     if backend == "mysql":
         sides["packed"] = lambda: raw_all(packed=True)
     r = alternate(sides, rounds)
@@ -309,6 +326,9 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
                "changes", r["bag"], r["raw"], goal=0.8),
         paired(f"{backend}: changes read, raw merging by time by hand (all rows held) vs "
                f"raw by position ({buckets:,} buckets)", r["merged"], r["raw"], goal="report"),
+        paired(f"{backend}: changes read, raw merging by time by hand making a Change a row "
+               f"vs raw by position ({buckets:,} buckets)", r["merged_changes"], r["raw"],
+               goal="report"),
         paired(f"{backend}: a consumer's polls (batches of 1,000, each checkpointed) vs raw "
                f"by position ({buckets:,} buckets)", r["consumer"], r["raw"], goal="report"),
     ]  # fmt: skip
