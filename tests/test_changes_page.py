@@ -5,6 +5,7 @@ time (bagstore.feedread's reading sessions) against the plain algorithm."""
 from __future__ import annotations
 
 import base64
+import bisect
 import json
 import random
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import bagstore
 from bagstore import Change, feedpage, feedread
@@ -185,6 +188,38 @@ def test_session_pages_are_the_plain_merge(monotone: bool) -> None:
             assert all(n == limit for n in sizes[:-2]), sizes  # full while rows are left
         for b, rows in streams.items():
             assert [r for r in got if r[0] == b] == rows  # every row, once, in order
+
+
+_ROWS = st.lists(
+    st.tuples(st.integers(0, 7), st.integers(1, 6)), max_size=60
+)  # (bucket, time): few of each, so that times tie across buckets
+
+
+def _rows_of(pairs: list[tuple[int, int]]) -> list[tuple[Any, ...]]:
+    """Rows of ``(bucket, time)`` pairs, in merge order (each its own key)."""
+    rows = [(b, n, b"id", 0, 1, t, None) for n, (b, t) in enumerate(pairs)]
+    return sorted(rows, key=lambda r: (r[5], r[0], r[1]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(held=_ROWS, added=_ROWS, lo=st.integers(0, 60))
+def test_rows_are_merged_in_where_a_sorted_insert_puts_them(
+    held: list[tuple[int, int]], added: list[tuple[int, int]], lo: int
+) -> None:
+    """The search by time then bucket finds what bisect by the merge key
+    finds, and rows merged in at once land where inserting each in turn
+    puts them (equal keys: after those held), times tied across buckets."""
+    rows = _rows_of(held)
+    own = feedread._own
+    for r in rows + _rows_of(added):
+        key = own(r)
+        start = min(lo, len(rows))
+        assert feedread._after(rows, key, start) == bisect.bisect_right(rows, key, start, key=own)
+    new = [(b, 100 + n, b"new", 0, 1, t, None) for n, (b, t) in enumerate(sorted(added))]
+    expected = list(rows)
+    for r in new:
+        bisect.insort(expected, r, key=own)
+    assert feedread._insert(rows, list(new)) == expected
 
 
 def test_session_pages_find_moved_buckets_and_late_rows() -> None:
