@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import struct
 import sys
 import zlib
 from array import array
@@ -138,25 +139,29 @@ _BINARY = "~"
 
 
 def encode_positions(positions: dict[int, int]) -> str:
-    """Positions as compact text: bucket deltas and positions as 64-bit ints,
-    zlib, base64 (C loops only, no JSON: a cursor of 1,024 buckets is made
-    at every page; a reader keeps its positions in bucket order, which sorts
-    fastest)."""
-    if 0 in positions.values():
-        buckets = sorted(compress(positions, map(gt, positions.values(), repeat(0))))
-    else:
-        buckets = sorted(positions)
+    """Positions as compact text: bucket deltas and positions as 64-bit
+    little-endian ints, zlib, base64 (C loops only, no JSON: a cursor of
+    1,024 buckets is made at every page; a reader keeps its positions in
+    bucket order, which is checked rather than sorted again)."""
+    buckets = list(positions)
+    values = list(positions.values())
+    if 0 in values:
+        buckets = sorted(compress(buckets, map(gt, values, repeat(0))))
+        values = list(map(positions.__getitem__, buckets))
+    elif (order := sorted(buckets)) != buckets:
+        buckets = order
+        values = list(map(positions.__getitem__, buckets))
     flat = [0] * (2 * len(buckets))
     flat[0::2] = map(sub, buckets, chain((0,), buckets))
-    flat[1::2] = map(positions.__getitem__, buckets)
-    ints = array("q", flat)
-    if sys.byteorder != "little":
-        ints.byteswap()
+    flat[1::2] = values
+    # struct packs a list of ints ~4 times as fast as array("q") does
+    # (which parses each as a call's argument)
+    packed = struct.pack(f"<{len(flat)}q", *flat)
     # zlib's default state (~256 kB, cleared) costs ~50 us to set up, most
     # of a small cursor's making; an 8 kB window and a memLevel of 5 compress
     # as well (any zlib stream decodes the same way), at 4,096 buckets too
     packer = zlib.compressobj(1, zlib.DEFLATED, 13, 5)
-    raw = packer.compress(ints.tobytes()) + packer.flush()
+    raw = packer.compress(packed) + packer.flush()
     return _BINARY + base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
