@@ -53,6 +53,12 @@ Metrics (each backend; four shards, 64 buckets unless said):
   position, then each of its 16 bucket ranges' next batch (merged by time
   within the range), renews that range's lease, hands it over and
   checkpoints it in the catalog (two commits a batch).  Reported.
+- ``changes read, pages of 100`` and ``a consumer's polls, batches of 100``
+  (the default batch of ``ds.subscribe``): the same reads in smaller pages,
+  beside the raw read by position asking 100 rows a statement: what a
+  page's own work (its cursor of every bucket's position, the merge of the
+  rows read ahead) and a batch's two commits cost when a page holds few
+  rows.  Reported.
 - ``changes read vs raw ... asking the columns packed`` (MariaDB): bagstore's
   read beside the raw read asking what bagstore asks through PyMySQL, which
   parses each column of a row in Python: a row's five integers and its id
@@ -219,27 +225,31 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
     # The keyset as each server plans it as a range of its primary key:
     # SQLite a row value (it reads the OR below from the kind's first row at
     # every statement), MariaDB the OR (a row value there is read by kind).
-    if backend == "sqlite":
-        after_sql, params = "(bucket, pos) > (?, ?)", lambda b, p: ["readme", b, p]
+    sqlite = backend == "sqlite"
+    if sqlite:
+        after_sql = "(bucket, pos) > (?, ?)"
     else:
         after_sql = "(bucket > %s OR (bucket = %s AND pos > %s))"
-        params = lambda b, p: ["readme", b, b, p]  # noqa: E731
+
+    def params(b: int, p: int) -> list[Any]:
+        return ["readme", b, p] if sqlite else ["readme", b, b, p]
+
     where = (
         f"FROM bagstore_changes WHERE kind = {'?' if backend == 'sqlite' else '%s'} "
-        f"AND {after_sql} ORDER BY bucket, pos LIMIT 1000"
+        f"AND {after_sql} ORDER BY bucket, pos LIMIT "
     )
-    sql = f"SELECT bucket, pos, id, op, version, updated, body {where}"
+    columns = "SELECT bucket, pos, id, op, version, updated, body "
     # What bagstore asks through PyMySQL: five integers and the id packed by
     # the server into one binary value (bagstore.backends.changerange).
-    packed_sql = f"SELECT {_PACKED_COLUMNS}, body {where}"
+    packed_columns = f"SELECT {_PACKED_COLUMNS}, body "
 
     def decoded(changes: list[bagstore.Change]) -> None:
         for c in changes:
             c.entity  # noqa: B018  (decoded when read)
 
-    def bag_all() -> float:
+    def bag_all(limit: int = 1000) -> float:
         n, since, t0 = 0, None, time.perf_counter()
-        while page := ds.changes(since=since, limit=1000):
+        while page := ds.changes(since=since, limit=limit):
             for c in page:
                 c.entity  # noqa: B018  (decoded when read)
             n += len(page)
@@ -249,11 +259,11 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
 
     consumers = iter(range(1_000_000))
 
-    def consumer_all() -> float:
+    def consumer_all(batch: int = 1000) -> float:
         # a new named consumer each round (from the oldest change), its
         # polls timed: the subscription's one-time set-up (its ranges' rows,
         # the leases first taken) is not
-        sub = ds.subscribe(f"bench{next(consumers)}", decoded, batch=1000)
+        sub = ds.subscribe(f"bench{next(consumers)}", decoded, batch=batch)
         sub.balance()
         n, t0 = 0, time.perf_counter()
         while n < total:
@@ -263,26 +273,27 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         assert n == total, (n, total)
         return rate
 
-    def fetched(conn: Any, packed: bool = False) -> Iterator[list[Any]]:
-        """The kind's rows on one shard, 1,000 a statement, by position
+    def fetched(conn: Any, packed: bool = False, limit: int = 1000) -> Iterator[list[Any]]:
+        """The kind's rows on one shard, ``limit`` a statement, by position
         (``packed``: asked packed, unpacked in C loops)."""
         after, cur = (-1, 0), conn.cursor()
+        text = f"{packed_columns if packed else columns}{where}{limit}"
         while True:
-            cur.execute(packed_sql if packed else sql, params(*after))
+            cur.execute(text, params(*after))
             got = cur.fetchall()
             if packed and got:
                 ints = _LAYOUT.iter_unpack(b"".join(map(itemgetter(0), got)))
                 got = list(map(add, ints, zip(map(itemgetter(1), got))))
             yield got
-            if len(got) < 1000:
+            if len(got) < limit:
                 break
             after = got[-1][0], got[-1][1]
         cur.close()
 
-    def raw_all(packed: bool = False) -> float:
+    def raw_all(packed: bool = False, limit: int = 1000) -> float:
         n, t0 = 0, time.perf_counter()
         for conn in conns:
-            for got in fetched(conn, packed):
+            for got in fetched(conn, packed, limit):
                 for r in got:
                     codec.decode(r[6])  # both drivers return a BLOB as bytes
                 n += len(got)
@@ -308,12 +319,15 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         assert len(rows) == total, (len(rows), total)
         return total / (time.perf_counter() - t0)
 
-    sides = {
+    sides: dict[str, Callable[[], float]] = {
         "bag": bag_all,
         "raw": raw_all,
         "merged": raw_merged,
         "merged_changes": lambda: raw_merged(changes=True),
         "consumer": consumer_all,
+        "bag100": lambda: bag_all(100),
+        "consumer100": lambda: consumer_all(100),
+        "raw100": lambda: raw_all(limit=100),
     }
     if backend == "mysql":
         sides["packed"] = lambda: raw_all(packed=True)
@@ -331,6 +345,11 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
                goal="report"),
         paired(f"{backend}: a consumer's polls (batches of 1,000, each checkpointed) vs raw "
                f"by position ({buckets:,} buckets)", r["consumer"], r["raw"], goal="report"),
+        paired(f"{backend}: changes read, pages of 100 vs raw by position 100 rows a statement "
+               f"({buckets:,} buckets)", r["bag100"], r["raw100"], goal="report"),
+        paired(f"{backend}: a consumer's polls, batches of 100 (the default) vs raw by position "
+               f"100 rows a statement ({buckets:,} buckets)", r["consumer100"], r["raw100"],
+               goal="report"),
     ]  # fmt: skip
     if backend == "mysql":
         rows.append(
