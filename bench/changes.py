@@ -52,13 +52,14 @@ Metrics (each backend; four shards, 64 buckets unless said):
   read by position: each poll renews its leases, reads every bucket's
   position, then each of its 16 bucket ranges' next batch (merged by time
   within the range), renews that range's lease, hands it over and
-  checkpoints it in the catalog (two commits a batch).  Reported.
+  checkpoints it in the catalog (one commit a batch: a checkpoint goes
+  with the next batch's lease renewal).  Reported.
 - ``changes read, pages of 100`` and ``a consumer's polls, batches of 100``
   (the default batch of ``ds.subscribe``): the same reads in smaller pages,
   beside the raw read by position asking 100 rows a statement: what a
   page's own work (its cursor of every bucket's position, the merge of the
-  rows read ahead) and a batch's two commits cost when a page holds few
-  rows.  Reported.
+  rows read ahead) and a batch's commit cost when a page holds few rows.
+  Reported.
 - ``changes read vs raw ... asking the columns packed`` (MariaDB): bagstore's
   read beside the raw read asking what bagstore asks through PyMySQL, which
   parses each column of a row in Python: a row's five integers and its id

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from bagstore.subscriber import RANGE_ROWS
+import pytest
+
+import bagstore
+from bagstore.subscriber import RANGE_ROWS, RANGES, _loaded, range_buckets
 from tests.conftest import Topology
 
 
@@ -114,4 +117,147 @@ def test_balance_renews_the_leases_in_one_statement_and_finds_those_lost(
     assert now[3] == ("elsewhere", 2**62)
     assert all(now[no][1] > after[no][1] for no in range(16) if no != 3)
     catalog.execute = real  # type: ignore[method-assign]
+    consumer.close()
+
+
+def _range_of(change: Any) -> int:
+    return range_of(64, RANGES, change.bucket)
+
+
+def range_of(buckets: int, ranges: int, bucket: int) -> int:
+    """The range (of ``ranges``) that holds ``bucket``."""
+    found = [no for no in range(ranges) if bucket in range_buckets(buckets, ranges, no)]
+    assert len(found) == 1
+    return found[0]
+
+
+def _checkpoints(ds: Any, name: str) -> dict[int, dict[int, int]]:
+    """Each range's positions as the catalog holds them."""
+    rows = ds.feed.catalog.select_all(RANGE_ROWS, ("range_no", "positions"), {"name": name})
+    return {int(no): _loaded(str(text))[1] for no, text in rows}
+
+
+def test_a_batch_is_checkpointed_with_the_next_batch_s_lease_one_write_a_batch(
+    topo: Topology,
+) -> None:
+    """A poll writes each batch's checkpoint in the statement that renews the
+    next batch's lease: one write of the ranges' rows a batch (and one
+    more), not two; afterwards every range's checkpoint is where the poll
+    left it, and a new process of the consumer has nothing left to handle."""
+    ds = topo.open(buckets=64)
+    ds.feed.enable()
+    ids = set(ds.put_many([{"n": i} for i in range(300)]))
+    handled: list[Any] = []
+    consumer = ds.subscribe("one-write", handled.extend, batch=1000)
+    consumer.balance()
+    catalog = ds.feed.catalog
+    real = catalog.execute
+    sent: list[str] = []
+
+    def recorded(sql: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append(sql)
+        return real(sql, *args, **kwargs)
+
+    catalog.execute = recorded  # type: ignore[method-assign]
+    assert consumer.poll() == 300
+    catalog.execute = real  # type: ignore[method-assign]
+    batches = len({_range_of(c) for c in handled})
+    writes = [s for s in sent if s.startswith("UPDATE") and RANGE_ROWS in s]
+    # the poll's renewal of every lease, the first batch's, one a batch after
+    assert len(writes) == 1 + 1 + batches, (batches, sent)
+    assert {c.id for c in handled} == ids
+    assert _checkpoints(ds, "one-write") == consumer.held
+    consumer.close()
+    again: list[Any] = []
+    other = ds.subscribe("one-write", again.extend, batch=1000)
+    assert other.poll() == 0 and again == []
+    other.close()
+
+
+def test_a_lease_lost_between_batches_costs_neither_batch_its_guarantee(
+    topo: Topology,
+) -> None:
+    """Leases taken by another process while a poll runs: the next range's
+    (taken during the batch before it) is not handled and is given up, the
+    batch before it still checkpointed; a handled range's own (taken during
+    its handler) is not checkpointed (its batch comes again to whoever
+    holds it), the next batch still handled."""
+    ds = topo.open(buckets=64)
+    ds.feed.enable()
+    ds.put_many([{"n": i} for i in range(300)])
+    catalog = ds.feed.catalog
+    calls: list[int] = []
+
+    def steal(name: str, no: int) -> None:
+        catalog.update(
+            RANGE_ROWS, {"owner": "elsewhere", "lease_until": 2**62}, {"name": name, "range_no": no}
+        )
+
+    def next_handler(changes: list[Any]) -> None:
+        calls.append(_range_of(changes[0]))
+        if len(calls) == 1:
+            steal("next", calls[0] + 1)  # the next range's lease, before its batch
+
+    consumer = ds.subscribe("next", next_handler, batch=1000)
+    consumer.balance()
+    before = _checkpoints(ds, "next")
+    consumer.poll()
+    first = calls[0]
+    assert first + 1 not in calls and first + 1 not in consumer.held
+    assert _checkpoints(ds, "next")[first] == consumer.held[first] != before[first]
+    assert _checkpoints(ds, "next")[first + 1] == before[first + 1]  # for its holder
+    consumer.close()
+
+    calls.clear()
+
+    def own_handler(changes: list[Any]) -> None:
+        calls.append(_range_of(changes[0]))
+        if len(calls) == 1:
+            steal("own", calls[0])  # its own lease, during its handler
+
+    consumer = ds.subscribe("own", own_handler, batch=1000)
+    consumer.balance()
+    before = _checkpoints(ds, "own")
+    consumer.poll()
+    first = calls[0]
+    assert first not in consumer.held and calls[1] == first + 1
+    assert _checkpoints(ds, "own")[first] == before[first]  # delivered again to its holder
+    assert _checkpoints(ds, "own")[first + 1] == consumer.held[first + 1] != before[first + 1]
+    consumer.close()
+
+
+def test_a_read_that_fails_after_a_batch_keeps_that_batch_s_checkpoint(
+    topo: Topology,
+) -> None:
+    """A poll whose read of a range fails (a shard unreachable) raises, and
+    the batch handled before it is checkpointed all the same: it is not
+    handled again."""
+    ds = topo.open(buckets=64)
+    ds.feed.enable()
+    ds.put_many([{"n": i} for i in range(300)])
+    handled: list[Any] = []
+    consumer = ds.subscribe("failing", handled.extend, batch=1000)
+    consumer.balance()
+    feed = consumer.feed
+    real = feed.read
+    reads: list[int] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        reads.append(1)
+        if len(reads) == 2:
+            raise bagstore.ShardUnavailable("the second range's shard is down")
+        return real(*args, **kwargs)
+
+    feed.read = failing  # type: ignore[method-assign]
+    with pytest.raises(bagstore.ShardUnavailable):
+        consumer.poll()
+    feed.read = real  # type: ignore[method-assign]
+    first = {_range_of(c) for c in handled}
+    assert len(first) == 1
+    (no,) = first
+    assert _checkpoints(ds, "failing")[no] == consumer.held[no]
+    count = len(handled)
+    while consumer.poll():
+        pass
+    assert len(handled) == 300 and len({c.id for c in handled}) == 300 and count < 300
     consumer.close()

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bagstore.backends.changesql import renew_leases
+from bagstore.backends.changesql import checkpoint_and_renew, renew_leases
 from bagstore.changes import Feed
 from bagstore.errors import ConfigurationError, InvalidQuery
 from bagstore.feedpage import Change, decode_positions, encode_positions
@@ -214,6 +214,13 @@ class Subscriber:
                 fresh = [p for r, p, _, _ in self._rows() if r == no]
                 self.epochs[no], self.held[no] = _loaded(fresh[0] if fresh else "")
 
+    def _owned(self) -> set[int]:
+        """The ranges whose lease this process holds, as the catalog says."""
+        rows = self.catalog.select_all(
+            RANGE_ROWS, ("range_no",), {"name": self.name, "owner": self.member}
+        )
+        return {int(no) for (no,) in rows}
+
     def _renew(self, no: int, now: int) -> bool:
         return bool(
             self.catalog.update(
@@ -234,40 +241,75 @@ class Subscriber:
         # every bucket's positions read once for all the ranges held (one
         # statement, not one a range: ~2 ms each on MariaDB)
         ends = self.feed.holders(polled=True) if self.held else None
-        for no in sorted(self.held):
-            positions = self.held[no]
-            self.feed.check_epoch(self.epochs[no], f"consumer {self.name!r}")
-            changes, after = self.feed.read(
-                positions,
-                self.batch,
-                range_buckets(self.buckets, self.ranges, no),
-                who=self.name,
-                ends=ends,
-            )
-            if not changes:
-                continue
-            if not self._renew(no, _now()):
-                del self.held[no]
-                continue
-            self._in_handler = True
-            self.handler(changes)
-            self._in_handler = False
-            handled += len(changes)
+        # A batch handled and not checkpointed yet: its checkpoint goes with
+        # the next batch's lease renewal, one commit (not two) a batch.
+        done: tuple[int, dict[int, int]] | None = None
+        try:
+            for no in sorted(self.held):
+                positions = self.held[no]
+                self.feed.check_epoch(self.epochs[no], f"consumer {self.name!r}")
+                changes, after = self.feed.read(
+                    positions,
+                    self.batch,
+                    range_buckets(self.buckets, self.ranges, no),
+                    who=self.name,
+                    ends=ends,
+                )
+                if not changes:
+                    continue
+                renewed = self._checkpoint(done, renew=no)
+                done = None
+                if not renewed:
+                    del self.held[no]
+                    continue
+                self._in_handler = True
+                self.handler(changes)
+                self._in_handler = False
+                handled += len(changes)
+                done = (no, after)
+        except BaseException:
+            if done is not None:  # (a later range's read failed)
+                try:
+                    self._checkpoint(done)
+                except Exception:
+                    log.warning("consumer %s: a checkpoint failed", self.name, exc_info=True)
+            raise
+        self._checkpoint(done)
+        return handled
+
+    def _checkpoint(
+        self, done: tuple[int, dict[int, int]] | None, renew: int | None = None
+    ) -> bool:
+        """Write the checkpoint of ``done`` (a range and its positions after
+        the batch handled), renewing its lease, and renew the lease of range
+        ``renew``, in one statement, of the ranges this process still holds;
+        a range whose lease was lost meanwhile is given up (a batch not
+        checkpointed is delivered again).  Whether ``renew`` is still held
+        (True without one)."""
+        now = _now()
+        if done is None:
+            return renew is None or self._renew(renew, now)
+        no, after = done
+        text = _stored(self.feed, after)
+        until = now + self.lease_us
+        if renew is None:
             kept = self.catalog.update(
                 RANGE_ROWS,
-                {
-                    "positions": _stored(self.feed, after),
-                    "checkpointed": _now(),
-                    "lease_until": _now() + self.lease_us,
-                },
+                {"positions": text, "checkpointed": now, "lease_until": until},
                 {"name": self.name, "range_no": no, "owner": self.member},
             )
-            if kept:
-                self.held[no] = after
-            else:  # the lease lapsed meanwhile: the batch will be delivered again
-                log.warning("consumer %s lost range %d before its checkpoint", self.name, no)
-                del self.held[no]
-        return handled
+            held = {no} if kept else set()
+        else:
+            both = (no, text, now)
+            written = checkpoint_and_renew(self.catalog, self.name, self.member, both, renew, until)
+            # fewer than both: which were lost (one held at the update is held now)
+            held = {no, renew} if written == 2 else self._owned()
+        if no in held:
+            self.held[no] = after
+        else:  # the lease lapsed meanwhile: the batch will be delivered again
+            log.warning("consumer %s lost range %d before its checkpoint", self.name, no)
+            self.held.pop(no, None)
+        return renew is None or renew in held
 
     def run(
         self,
