@@ -261,3 +261,43 @@ def test_a_read_that_fails_after_a_batch_keeps_that_batch_s_checkpoint(
         pass
     assert len(handled) == 300 and len({c.id for c in handled}) == 300 and count < 300
     consumer.close()
+
+
+def test_a_checkpoint_keeps_the_epoch_its_batch_was_read_in(topo: Topology) -> None:
+    """A failover's new epoch during a poll (here: during the first batch's
+    handler): the next range's read raises ChangesLost, and the batch
+    handled before it is checkpointed in the epoch it was read in, so that
+    its range too is refused until the consumer is reset, not taken on
+    as if read after the failover."""
+    ds = topo.open(buckets=64)
+    ds.feed.enable()
+    ds.put_many([{"n": i} for i in range(300)])
+    old = ds.feed.epoch()
+    calls: list[int] = []
+
+    def handler(changes: list[Any]) -> None:
+        calls.append(_range_of(changes[0]))
+        if ds.feed.epoch() == old:  # once
+            ds.feed.new_epoch()
+
+    consumer = ds.subscribe("failed-over", handler, batch=1000)
+    consumer.balance()
+    with pytest.raises(bagstore.ChangesLost):
+        consumer.poll()
+    (first,) = calls
+    rows = ds.feed.catalog.select_all(
+        RANGE_ROWS, ("range_no", "positions"), {"name": "failed-over"}
+    )
+    epochs = {int(no): _loaded(str(text))[0] for no, text in rows}
+    assert epochs[first] == old < ds.feed.epoch()
+    assert _checkpoints(ds, "failed-over")[first] == consumer.held[first]  # checkpointed
+    consumer.close()
+    again = ds.subscribe("failed-over", handler, batch=1000)
+    with pytest.raises(bagstore.ChangesLost):
+        again.poll()
+    ds.feed.reset_consumer("failed-over", to="start")
+    calls.clear()
+    while again.poll():
+        pass
+    assert len(calls) == 16
+    again.close()

@@ -60,9 +60,10 @@ def _now() -> int:
     return time.time_ns() // 1000
 
 
-def _stored(feed: Feed, positions: dict[int, int]) -> str:
-    """A range's positions as its row holds them: the feed's epoch, then them."""
-    return f"{feed.epoch()}:{encode_positions(positions)}"
+def _stored(feed: Feed, positions: dict[int, int], epoch: int | None = None) -> str:
+    """A range's positions as its row holds them: the feed's epoch they were
+    read in (default: the current one), then them."""
+    return f"{feed.epoch() if epoch is None else epoch}:{encode_positions(positions)}"
 
 
 def _loaded(text: str) -> tuple[int, dict[int, int]]:
@@ -290,7 +291,9 @@ class Subscriber:
         if done is None:
             return renew is None or self._renew(renew, now)
         no, after = done
-        text = _stored(self.feed, after)
+        # stamped with the epoch the range was read in, not the feed's now: a
+        # failover since (a later range's read found it) is not hidden
+        text = _stored(self.feed, after, self.epochs[no])
         until = now + self.lease_us
         if renew is None:
             kept = self.catalog.update(
