@@ -583,6 +583,31 @@ def test_a_failover_epoch_refuses_older_cursors_and_positions(topo: Topology) ->
     assert len(ds.changes()) == 6  # from the start: a fresh cursor
 
 
+def test_a_cursor_keeps_the_epoch_its_page_was_read_in(topo: Topology) -> None:
+    """A failover's new epoch seen while a page is read: the page's cursor
+    carries the epoch its positions were read in, so the next page is
+    refused (ChangesLost), not read on from positions that may be gone."""
+    ds = topo.open()
+    ds.feed.enable()
+    ds.put_many([{"n": i} for i in range(5)])
+    feed = ds.feed
+    real = feed.read
+
+    def failing_over(*args: Any, **kwargs: Any) -> Any:
+        got = real(*args, **kwargs)
+        feed.new_epoch()  # (another process's failover, seen now)
+        return got
+
+    feed.read = failing_over  # type: ignore[method-assign]
+    page = ds.changes()
+    feed.read = real  # type: ignore[method-assign]
+    assert len(page) == 5
+    with pytest.raises(bagstore.ChangesLost, match="this cursor"):
+        ds.changes(since=page.cursor)
+    assert len(ds.changes()) == 5  # from the start: a fresh cursor, read on
+    assert ds.changes(since=ds.changes().cursor) == []
+
+
 def test_a_read_from_the_oldest_goes_on_past_pruned_buckets(topo: Topology) -> None:
     """A reader from the oldest change whose first page took no row of a
     bucket whose start was pruned goes on from its cursor: no ChangesPruned

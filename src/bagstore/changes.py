@@ -409,9 +409,9 @@ class Feed:
                 "ds.feed.end_cursor(), or reset the consumer (bagstore consumers reset NAME)"
             )
 
-    def cursor(self, positions: dict[int, int]) -> str:
-        """An opaque, signed cursor holding ``positions`` (and the epoch)."""
-        epoch = self.epoch()
+    def cursor(self, positions: dict[int, int], epoch: int | None = None) -> str:
+        """An opaque, signed cursor of ``positions`` and their epoch (default: now's)."""
+        epoch = self.epoch() if epoch is None else epoch
         version = self.router.placement.version
         issued = self._issued
         if issued is not None and issued[2:] == (epoch, version) and issued[1] == positions:
@@ -462,10 +462,11 @@ class Feed:
         """The changes after the cursor ``since`` (from the oldest kept when
         None), at most ``limit`` (1 to 10,000); the page's ``cursor`` reads on."""
         positions = self.positions_of(since)
+        epoch = self.epoch()  # (a failover during the read: the next page is refused)
         changes, after = self.read(positions, limit, oldest=since is None)
         if not changes:
             self.check_on()
-        return ChangePage(changes, self.cursor(after))
+        return ChangePage(changes, self.cursor(after, epoch))
 
     def check_on(self) -> None:
         """ConfigurationError if the kind's feed is off and keeps no change
