@@ -608,6 +608,49 @@ def test_a_cursor_keeps_the_epoch_its_page_was_read_in(topo: Topology) -> None:
     assert ds.changes(since=ds.changes().cursor) == []
 
 
+def test_positions_read_for_an_end_cursor_or_a_reset_keep_their_epoch(
+    topo: Topology,
+) -> None:
+    """A failover's new epoch seen while the buckets' positions are read for
+    ds.feed.end_cursor(), a consumer's reset (to its end, or its start) or
+    a new consumer's start: what was read carries the epoch before it, and
+    is refused."""
+    ds = topo.open()
+    ds.feed.enable()
+    ds.put_many([{"n": i} for i in range(5)])
+    feed = ds.feed
+    real = feed.ends
+    consumers = {to: ds.subscribe(f"reset-{to}", print) for to in ("end", "start")}
+
+    def failing_over(*args: Any, **kwargs: Any) -> Any:
+        got = real(*args, **kwargs)
+        feed.new_epoch()  # (another process's failover, seen now)
+        return got
+
+    feed.ends = failing_over  # type: ignore[method-assign]
+    cursor = feed.end_cursor()
+    with pytest.raises(bagstore.ChangesLost, match="this cursor"):
+        ds.changes(since=cursor)
+    for to, consumer in consumers.items():
+        feed.reset_consumer(f"reset-{to}", to=to)
+        with pytest.raises(bagstore.ChangesLost, match=f"consumer 'reset-{to}'"):
+            consumer.poll()
+        consumer.close()
+    new = ds.subscribe("new", print)
+    with pytest.raises(bagstore.ChangesLost, match="consumer 'new'"):
+        new.poll()
+    new.close()
+    feed.ends = real  # type: ignore[method-assign]
+    feed.reset_consumer("reset-end", to="end")
+    ds.put({"n": 5})
+    seen: list[Any] = []
+    after = ds.subscribe("reset-end", seen.extend)
+    while after.poll():
+        pass
+    assert len(seen) == 1
+    after.close()
+
+
 def test_a_read_from_the_oldest_goes_on_past_pruned_buckets(topo: Topology) -> None:
     """A reader from the oldest change whose first page took no row of a
     bucket whose start was pruned goes on from its cursor: no ChangesPruned

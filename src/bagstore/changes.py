@@ -517,7 +517,8 @@ class Feed:
 
     def end_cursor(self) -> str:
         """A cursor after every change committed so far (to follow from now)."""
-        return self.cursor({b: top for b, (top, _) in self.ends().items()})
+        epoch = self.epoch()  # (before the positions are read, as for a page)
+        return self.cursor({b: top for b, (top, _) in self.ends().items()}, epoch)
 
 
 # -- bucket moves (bagstore.scaleout.Mover) ------------------------------------------

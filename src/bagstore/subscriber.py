@@ -60,10 +60,10 @@ def _now() -> int:
     return time.time_ns() // 1000
 
 
-def _stored(feed: Feed, positions: dict[int, int], epoch: int | None = None) -> str:
+def _stored(epoch: int, positions: dict[int, int]) -> str:
     """A range's positions as its row holds them: the feed's epoch they were
-    read in (default: the current one), then them."""
-    return f"{feed.epoch() if epoch is None else epoch}:{encode_positions(positions)}"
+    read in (taken before they were read), then them."""
+    return f"{epoch}:{encode_positions(positions)}"
 
 
 def _loaded(text: str) -> tuple[int, dict[int, int]]:
@@ -138,7 +138,9 @@ class Subscriber:
         if kind != feed.kind:
             raise ConfigurationError(f"consumer {name!r} follows kind {kind!r}, not {feed.kind!r}")
         if not self.catalog.select_all(RANGE_ROWS, ("range_no",), {"name": name}):
-            # a new consumer starts at the oldest change kept
+            # a new consumer starts at the oldest change kept (of the epoch
+            # taken before they are read: a failover meanwhile is not hidden)
+            epoch = feed.epoch()
             ends = feed.ends()
             start = [
                 {b: ends[b][1] for b in range_buckets(buckets, self.ranges, r) if b in ends}
@@ -147,7 +149,7 @@ class Subscriber:
             self.catalog.insert_ignore(
                 RANGE_ROWS,
                 ("name", "range_no", "positions", "owner", "lease_until", "checkpointed"),
-                [(name, r, _stored(feed, start[r]), "", 0, 0) for r in range(self.ranges)],
+                [(name, r, _stored(epoch, start[r]), "", 0, 0) for r in range(self.ranges)],
             )
         self.buckets = buckets
         #: range -> positions, of the ranges this process holds
@@ -293,7 +295,7 @@ class Subscriber:
         no, after = done
         # stamped with the epoch the range was read in, not the feed's now: a
         # failover since (a later range's read found it) is not hidden
-        text = _stored(self.feed, after, self.epochs[no])
+        text = _stored(self.epochs[no], after)
         until = now + self.lease_us
         if renew is None:
             kept = self.catalog.update(
@@ -425,6 +427,7 @@ def reset_consumer(feeds: Callable[[str], Feed], catalog_feed: Feed, name: str, 
     if to not in ("start", "end"):
         raise InvalidQuery(f"reset to 'start' or 'end', not {to!r}")
     feed = feeds(kind)
+    epoch = feed.epoch()  # (before the positions are read, as for a new consumer)
     ends = feed.ends()
     buckets = feed.router.placement.buckets
     for no in range(ranges):
@@ -432,6 +435,6 @@ def reset_consumer(feeds: Callable[[str], Feed], catalog_feed: Feed, name: str, 
         positions = {b: (ends[b][0] if to == "end" else ends[b][1]) for b in mine if b in ends}
         feed.catalog.update(
             RANGE_ROWS,
-            {"positions": _stored(feed, positions), "owner": "", "lease_until": 0},
+            {"positions": _stored(epoch, positions), "owner": "", "lease_until": 0},
             {"name": name, "range_no": no},
         )
