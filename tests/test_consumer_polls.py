@@ -1,7 +1,9 @@
 """What a consumer's poll costs the catalog and the shards
 (bagstore.subscriber): every bucket's positions read once for all the
-ranges it holds, its leases renewed in one statement, and nothing lost or
-handled twice for it."""
+ranges it holds, its leases renewed in one statement, a batch's checkpoint
+written with the next batch's lease (one write a batch), and nothing lost
+or handled twice for it: leases lost between batches, a read that fails,
+a failover's epoch during a poll."""
 
 from __future__ import annotations
 
