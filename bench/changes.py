@@ -236,7 +236,7 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         return ["readme", b, p] if sqlite else ["readme", b, b, p]
 
     where = (
-        f"FROM bagstore_changes WHERE kind = {'?' if backend == 'sqlite' else '%s'} "
+        f"FROM bagstore_changes WHERE kind = {'?' if sqlite else '%s'} "
         f"AND {after_sql} ORDER BY bucket, pos LIMIT "
     )
     columns = "SELECT bucket, pos, id, op, version, updated, body "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -583,6 +585,24 @@ def test_a_failover_epoch_refuses_older_cursors_and_positions(topo: Topology) ->
     assert len(ds.changes()) == 6  # from the start: a fresh cursor
 
 
+@contextmanager
+def _failover_after(feed: Any, method: str) -> Iterator[None]:
+    """Within the block, each call of ``feed.<method>`` is followed by a new
+    epoch (another process's failover, seen by this one then)."""
+    real = getattr(feed, method)
+
+    def failing_over(*args: Any, **kwargs: Any) -> Any:
+        got = real(*args, **kwargs)
+        feed.new_epoch()
+        return got
+
+    setattr(feed, method, failing_over)
+    try:
+        yield
+    finally:
+        setattr(feed, method, real)
+
+
 def test_a_cursor_keeps_the_epoch_its_page_was_read_in(topo: Topology) -> None:
     """A failover's new epoch seen while a page is read: the page's cursor
     carries the epoch its positions were read in, so the next page is
@@ -590,17 +610,8 @@ def test_a_cursor_keeps_the_epoch_its_page_was_read_in(topo: Topology) -> None:
     ds = topo.open()
     ds.feed.enable()
     ds.put_many([{"n": i} for i in range(5)])
-    feed = ds.feed
-    real = feed.read
-
-    def failing_over(*args: Any, **kwargs: Any) -> Any:
-        got = real(*args, **kwargs)
-        feed.new_epoch()  # (another process's failover, seen now)
-        return got
-
-    feed.read = failing_over  # type: ignore[method-assign]
-    page = ds.changes()
-    feed.read = real  # type: ignore[method-assign]
+    with _failover_after(ds.feed, "read"):
+        page = ds.changes()
     assert len(page) == 5
     with pytest.raises(bagstore.ChangesLost, match="this cursor"):
         ds.changes(since=page.cursor)
@@ -619,28 +630,20 @@ def test_positions_read_for_an_end_cursor_or_a_reset_keep_their_epoch(
     ds.feed.enable()
     ds.put_many([{"n": i} for i in range(5)])
     feed = ds.feed
-    real = feed.ends
     consumers = {to: ds.subscribe(f"reset-{to}", print) for to in ("end", "start")}
-
-    def failing_over(*args: Any, **kwargs: Any) -> Any:
-        got = real(*args, **kwargs)
-        feed.new_epoch()  # (another process's failover, seen now)
-        return got
-
-    feed.ends = failing_over  # type: ignore[method-assign]
-    cursor = feed.end_cursor()
-    with pytest.raises(bagstore.ChangesLost, match="this cursor"):
-        ds.changes(since=cursor)
-    for to, consumer in consumers.items():
-        feed.reset_consumer(f"reset-{to}", to=to)
-        with pytest.raises(bagstore.ChangesLost, match=f"consumer 'reset-{to}'"):
-            consumer.poll()
-        consumer.close()
-    new = ds.subscribe("new", print)
-    with pytest.raises(bagstore.ChangesLost, match="consumer 'new'"):
-        new.poll()
-    new.close()
-    feed.ends = real  # type: ignore[method-assign]
+    with _failover_after(feed, "ends"):
+        cursor = feed.end_cursor()
+        with pytest.raises(bagstore.ChangesLost, match="this cursor"):
+            ds.changes(since=cursor)
+        for to, consumer in consumers.items():
+            feed.reset_consumer(f"reset-{to}", to=to)
+            with pytest.raises(bagstore.ChangesLost, match=f"consumer 'reset-{to}'"):
+                consumer.poll()
+            consumer.close()
+        new = ds.subscribe("new", print)
+        with pytest.raises(bagstore.ChangesLost, match="consumer 'new'"):
+            new.poll()
+        new.close()
     feed.reset_consumer("reset-end", to="end")
     ds.put({"n": 5})
     seen: list[Any] = []

@@ -7,6 +7,8 @@ a failover's epoch during a poll."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -14,6 +16,23 @@ import pytest
 import bagstore
 from bagstore.subscriber import RANGE_ROWS, RANGES, _loaded, range_buckets
 from tests.conftest import Topology
+
+
+@contextmanager
+def _statements(catalog: Any) -> Iterator[list[str]]:
+    """The statements the catalog runs (``execute``) while in the block."""
+    real = catalog.execute
+    sent: list[str] = []
+
+    def recorded(sql: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append(sql)
+        return real(sql, *args, **kwargs)
+
+    catalog.execute = recorded
+    try:
+        yield sent
+    finally:
+        catalog.execute = real
 
 
 def test_a_poll_reads_positions_once_for_all_its_ranges(topo: Topology) -> None:
@@ -88,12 +107,6 @@ def test_balance_renews_the_leases_in_one_statement_and_finds_those_lost(
     consumer.balance()
     assert len(consumer.held) == 16
     catalog = ds.feed.catalog
-    real = catalog.execute
-    sent: list[str] = []
-
-    def recorded(sql: str, *args: Any, **kwargs: Any) -> Any:
-        sent.append(sql)
-        return real(sql, *args, **kwargs)
 
     def leases() -> dict[int, tuple[str, int]]:
         rows = catalog.select_all(
@@ -102,8 +115,8 @@ def test_balance_renews_the_leases_in_one_statement_and_finds_those_lost(
         return {int(no): (str(owner), int(until)) for no, owner, until in rows}
 
     before = leases()
-    catalog.execute = recorded  # type: ignore[method-assign]
-    consumer.balance()
+    with _statements(catalog) as sent:
+        consumer.balance()
     renewals = [s for s in sent if s.startswith("UPDATE") and "lease_until" in s]
     assert len(renewals) == 1, sent
     after = leases()
@@ -112,25 +125,18 @@ def test_balance_renews_the_leases_in_one_statement_and_finds_those_lost(
     catalog.update(
         RANGE_ROWS, {"owner": "elsewhere", "lease_until": 2**62}, {"name": "renewed", "range_no": 3}
     )
-    sent.clear()
     consumer.balance()
     assert sorted(consumer.held) == [no for no in range(16) if no != 3]
     now = leases()
     assert now[3] == ("elsewhere", 2**62)
     assert all(now[no][1] > after[no][1] for no in range(16) if no != 3)
-    catalog.execute = real  # type: ignore[method-assign]
     consumer.close()
 
 
 def _range_of(change: Any) -> int:
-    return range_of(64, RANGES, change.bucket)
-
-
-def range_of(buckets: int, ranges: int, bucket: int) -> int:
-    """The range (of ``ranges``) that holds ``bucket``."""
-    found = [no for no in range(ranges) if bucket in range_buckets(buckets, ranges, no)]
-    assert len(found) == 1
-    return found[0]
+    """The range (of a store of 64 buckets) that holds the change's bucket."""
+    (found,) = [no for no in range(RANGES) if change.bucket in range_buckets(64, RANGES, no)]
+    return found
 
 
 def _checkpoints(ds: Any, name: str) -> dict[int, dict[int, int]]:
@@ -152,17 +158,8 @@ def test_a_batch_is_checkpointed_with_the_next_batch_s_lease_one_write_a_batch(
     handled: list[Any] = []
     consumer = ds.subscribe("one-write", handled.extend, batch=1000)
     consumer.balance()
-    catalog = ds.feed.catalog
-    real = catalog.execute
-    sent: list[str] = []
-
-    def recorded(sql: str, *args: Any, **kwargs: Any) -> Any:
-        sent.append(sql)
-        return real(sql, *args, **kwargs)
-
-    catalog.execute = recorded  # type: ignore[method-assign]
-    assert consumer.poll() == 300
-    catalog.execute = real  # type: ignore[method-assign]
+    with _statements(ds.feed.catalog) as sent:
+        assert consumer.poll() == 300
     batches = len({_range_of(c) for c in handled})
     writes = [s for s in sent if s.startswith("UPDATE") and RANGE_ROWS in s]
     # the poll's renewal of every lease, the first batch's, one a batch after
