@@ -408,10 +408,13 @@ def test_positions_text_round_trips_and_reads_the_json_form_before() -> None:
         text = feedpage.encode_positions(positions)
         assert feedpage.decode_positions(text) == positions
         assert "." not in text and ":" not in text  # the separators around it
-    assert feedpage.encode_positions({3: 0, 5: 2}) == feedpage.encode_positions({5: 2})
+    for zeros in ({3: 0, 5: 2}, {3: 0, 900: 2}, {900: 2, 3: 0}):  # a run, 64-bit pairs
+        assert feedpage.decode_positions(feedpage.encode_positions(zeros)) == {
+            b: p for b, p in zeros.items() if p
+        }
     # positions are compressed with a small zlib state; those compressed
     # with zlib's default state (earlier versions' cursors) read the same
-    small = {3: 7, 10: 2}
+    small = {3: 7, 10: 2}  # (too far apart for a run: 64-bit pairs)
     made = base64.urlsafe_b64decode(feedpage.encode_positions(small)[1:] + "==")
     default = base64.urlsafe_b64encode(zlib.compress(zlib.decompress(made), 1)).decode()
     assert feedpage.decode_positions("~" + default.rstrip("=")) == small
@@ -428,6 +431,59 @@ def test_positions_text_round_trips_and_reads_the_json_form_before() -> None:
     for bad in ("~" + three_bytes, negative):
         with pytest.raises(ValueError):
             feedpage.decode_positions(bad)
+
+
+_POSITIONS = st.dictionaries(
+    st.integers(0, 65_535),
+    st.one_of(st.integers(0, 60), st.integers(0, 2**32 - 1), st.integers(0, 2**62)),
+    max_size=300,
+)
+
+
+@given(
+    positions=_POSITIONS,
+    first=st.integers(0, 65_000),
+    run=st.lists(st.one_of(st.integers(0, 9), st.integers(0, 2**33)), max_size=600),
+)
+@settings(max_examples=300, deadline=None)
+def test_positions_of_any_shape_round_trip(
+    positions: dict[int, int], first: int, run: list[int]
+) -> None:
+    """Scattered buckets, runs of buckets in order or not, zeros among them,
+    positions of 32 bits or more: each decodes to what was encoded, its
+    zeros left out, in a run of buckets or as 64-bit pairs."""
+    together = dict(zip(range(first, first + len(run)), run, strict=False))
+    for given_ in (positions, together, dict(reversed(together.items()))):
+        text = feedpage.encode_positions(given_)
+        assert feedpage.decode_positions(text) == {b: p for b, p in given_.items() if p}
+        assert "." not in text and ":" not in text
+
+
+def test_a_run_of_positions_is_the_compact_form_and_its_damage_is_refused() -> None:
+    """A reader's positions (every bucket, in order, small numbers) take the
+    run form, smaller than 64-bit pairs (two thirds of their size here); run text that is not
+    whole 32-bit numbers, or holds no bucket, raises ValueError."""
+    rng = random.Random(7)
+    every = {b: rng.randint(1, 5_000) for b in range(1024)}
+    text = feedpage.encode_positions(every)
+    assert text.startswith("~~") and len(text) < 3_000
+    pairs = feedpage._BINARY + feedpage._packed(
+        b"".join(p.to_bytes(8, "little") for b in every for p in (1 if b else 0, every[b]))
+    )
+    assert feedpage.decode_positions(pairs) == every and 3 * len(text) < 2 * len(pairs)
+    for raw in (b"abc", b"\0" * 4, b"\0" * 10):
+        with pytest.raises(ValueError):
+            feedpage.decode_positions("~~" + feedpage._packed(raw))
+
+
+def test_bucket_sets_hold_bucket_numbers_of_the_store_only() -> None:
+    """A set of buckets to read is ints from 0 to the bucket count less one:
+    no bool, no float equal to one, nothing outside, nothing not iterable."""
+    assert feedpage.bucket_set(range(3, 9), 16) == frozenset(range(3, 9))
+    assert feedpage.bucket_set([], 16) == frozenset() and feedpage.bucket_set([15], 16)
+    for bad in ([True], [1.0], [-1], [16], [3, "a"], [None], 5, [[1]], {0.5}):
+        with pytest.raises(bagstore.InvalidQuery, match="buckets must be bucket numbers"):
+            feedpage.bucket_set(bad, 16)  # type: ignore[arg-type]
 
 
 def test_range_reads_give_the_rows_asked_whatever_their_number(topo: Topology) -> None:

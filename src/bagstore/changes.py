@@ -38,14 +38,22 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain, repeat
-from operator import add
+from operator import add, attrgetter
 from typing import TYPE_CHECKING, Any
 
 from bagstore import feedread
 from bagstore.backends import Backend, check_identifier
 from bagstore.backends import changesql as sql
 from bagstore.errors import ChangesLost, ChangesPruned, ConfigurationError, InvalidQuery
-from bagstore.feedpage import Change, ChangePage, decode_positions, encode_positions, page_changes
+from bagstore.feedpage import (
+    Change,
+    ChangePage,
+    bucket_set,
+    check_positions,
+    decode_positions,
+    encode_positions,
+    page_changes,
+)
 
 if TYPE_CHECKING:
     from bagstore.sharding.router import Router
@@ -64,6 +72,7 @@ MAX_LIMIT = 10_000
 _CURSOR_PREFIX = "c1."
 #: reading sessions kept (one a set of buckets read: a consumer's ranges)
 _SESSIONS = 64
+_ROWS = attrgetter("rows")
 #: the default of :attr:`Feed.read_ahead_bytes`
 READ_AHEAD_BYTES = 32 * 2**20
 #: seconds a reader's positions read afresh may be taken again when their
@@ -195,7 +204,7 @@ class Feed:
         :data:`bagstore.backends.changesql.Sums`)."""
         placement = self.router.refresh()
         backends = self.router.backends
-        wanted = None if buckets is None else self._bucket_set(buckets)
+        wanted = None if buckets is None else bucket_set(buckets, self.router.placement.buckets)
         now = time.monotonic()
         known: dict[int, sql.Sums | None] = dict.fromkeys(range(len(backends)))
         last = self._polled.copy() if polled else {}
@@ -241,7 +250,7 @@ class Feed:
         afresh, reading every bucket's positions."""
         if type(limit) is not int or not 1 <= limit <= MAX_LIMIT:
             raise InvalidQuery(f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit!r}")
-        key = None if buckets is None else self._bucket_set(buckets)
+        key = None if buckets is None else bucket_set(buckets, self.router.placement.buckets)
         # Taken out while in use: a thread reading the same buckets at the
         # same time starts its own session.
         session = self._sessions.pop(key, None)
@@ -261,14 +270,14 @@ class Feed:
 
         epoch = self.epoch()
         if session is None or not session.goes_on(positions, key, oldest, epoch):
-            self._check_positions(positions)
+            check_positions(positions, self.router.placement.buckets)
             session = feedread.start(key, positions, oldest, epoch, holders, pruned)
         most = sql.rows_per_range(self.router.backends[0])
         sessions = self._sessions
         # What its rows read ahead may take: the budget less what the other
         # sessions hold (a row's size as last measured, 0 before any read).
         size = session.row_bytes = session.row_bytes or self._row_bytes
-        others = sum(len(x.rows) for x in sessions.copy().values())
+        others = sum(map(len, map(_ROWS, sessions.copy().values())))
         session.budget = max(0, self._read_ahead - others * size)
         rows = feedread.next_rows(session, limit, most, holders, self._read_ranges, pruned)
         self._row_bytes = session.row_bytes
@@ -277,31 +286,6 @@ class Feed:
             sessions.pop(next(iter(sessions.copy()), None), None)
         sessions[key] = session
         return page_changes(rows, self.kind), dict(session.after)
-
-    def _bucket_set(self, buckets: Iterable[int]) -> frozenset[int]:
-        """``buckets`` as a set, each a bucket of the store (InvalidQuery if not)."""
-        count = self.router.placement.buckets
-        try:
-            found = frozenset(buckets)
-        except TypeError:
-            found = None
-        if found is None or not all(type(b) is int and 0 <= b < count for b in found):
-            raise InvalidQuery(
-                f"buckets must be bucket numbers from 0 to {count - 1}, not {buckets!r}"[:200]
-            )
-        return found
-
-    def _check_positions(self, positions: object) -> None:
-        """InvalidQuery unless ``positions`` is ``{bucket: position}`` of this store."""
-        count = self.router.placement.buckets
-        if not isinstance(positions, dict) or not all(
-            type(b) is int and type(p) is int and 0 <= b < count and p >= 0
-            for b, p in positions.items()
-        ):
-            raise InvalidQuery(
-                "positions must be a dict of bucket numbers (from 0 to "
-                f"{count - 1}) to positions (0 or more), not {positions!r}"[:200]
-            )
 
     def _read_ranges(
         self,
