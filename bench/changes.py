@@ -45,6 +45,15 @@ Metrics (each backend; four shards, 64 buckets unless said):
   ``.entity`` read: what a merged read that hands out an object a change
   costs without bagstore's bookkeeping (cursors, sessions, memory bound).
   Reported.
+- ``changes read, raw in commit order`` (SQLite): the change rows of each
+  shard copied into a table keyed by a shard-wide sequence in the order they
+  committed (one writer made them: by time), read one range a shard by that
+  sequence, the shards merged by time by hand (a row is handed out once
+  every shard not read to its end has been read up to its time), each page
+  made ``Change`` objects with each ``.entity`` read and the buckets'
+  positions updated from its rows, beside the raw read by position: what a
+  read costs whose rows come out of a shard in commit order, with no merge
+  of its buckets (bagstore stores a shard's changes by bucket).  Reported.
 - ``a consumer's polls``: a named consumer (``ds.subscribe``, a new one each
   round, from the oldest change; batches of 1,000, every body decoded by
   its handler) polled until it has handled the 20,000 changes, its set-up
@@ -75,6 +84,7 @@ Metrics (each backend; four shards, 64 buckets unless said):
 from __future__ import annotations
 
 import argparse
+import bisect
 import statistics
 import sys
 import threading
@@ -111,6 +121,9 @@ _PACKED_COLUMNS = changerange._PACKED_READ.removeprefix("SELECT ").removesuffix(
 _LAYOUT = changerange._PACKED
 BUCKETS = 64
 RAW = "entities"
+#: the change rows copied in commit order (the sequence read's table)
+_SEQ_TABLE = "raw_seq_changes"
+_TIME = itemgetter(5)
 
 
 class RawFeed:
@@ -320,6 +333,60 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         assert len(rows) == total, (len(rows), total)
         return total / (time.perf_counter() - t0)
 
+    if sqlite:
+        # What a read in commit order costs when a shard's change rows are
+        # stored in that order: each shard's rows copied into a table keyed
+        # by a shard-wide sequence (numbered by time, bucket and position:
+        # one writer made them, so that is the order they committed in).
+        for conn in conns:
+            conn.execute(f"CREATE TABLE {_SEQ_TABLE} (seq INTEGER PRIMARY KEY, kind TEXT, "
+                         "bucket INTEGER, pos INTEGER, id BLOB, op INTEGER, version INTEGER, "
+                         "updated INTEGER, body BLOB)")  # fmt: skip
+            conn.execute(f"INSERT INTO {_SEQ_TABLE} SELECT NULL, kind, bucket, pos, id, op, "
+                         "version, updated, body FROM bagstore_changes ORDER BY updated, "
+                         "bucket, pos")  # fmt: skip
+
+    def raw_sequence() -> float:
+        # One range a shard by its sequence, 1,000 rows a statement; the
+        # shards merged by time by hand (a row is handed out once every shard
+        # not read to its end has been read to its time at least), each page
+        # made bagstore's `Change`s with each `.entity` read and the buckets'
+        # positions (what a cursor holds) updated from its rows.
+        text = (f"SELECT bucket, pos, id, op, version, updated, body, seq FROM {_SEQ_TABLE} "
+                "WHERE kind = ? AND seq > ? ORDER BY seq LIMIT 1000")  # fmt: skip
+        seqs, reached, held = [0] * len(conns), [0.0] * len(conns), []
+        positions: dict[int, int] = {}
+
+        def fill(i: int) -> None:
+            got = conns[i].execute(text, ("readme", seqs[i])).fetchall()
+            if got:
+                seqs[i] = got[-1][7]
+            reached[i] = float("inf") if len(got) < 1000 else got[-1][5]
+            held.extend(got)
+
+        n, t0 = 0, time.perf_counter()
+        for i in range(len(conns)):
+            fill(i)
+        while True:
+            held.sort(key=_TIME)
+            k = bisect.bisect_right(held, min(reached), key=_TIME)
+            while k < 1000 and min(reached) != float("inf"):
+                fill(reached.index(min(reached)))
+                held.sort(key=_TIME)
+                k = bisect.bisect_right(held, min(reached), key=_TIME)
+            page = held[: min(k, 1000)]
+            if not page:
+                break
+            del held[: len(page)]
+            positions.update(zip(map(itemgetter(0), page), map(itemgetter(1), page), strict=True))
+            decoded(page_changes(page, "readme"))
+            n += len(page)
+        rate = n / (time.perf_counter() - t0)
+        assert n == total, (n, total)
+        lasts = "SELECT bucket, MAX(pos) FROM bagstore_changes GROUP BY bucket"
+        assert positions == {b: p for conn in conns for b, p in conn.execute(lasts)}
+        return rate
+
     sides: dict[str, Callable[[], float]] = {
         "bag": bag_all,
         "raw": raw_all,
@@ -332,6 +399,8 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
     }
     if backend == "mysql":
         sides["packed"] = lambda: raw_all(packed=True)
+    else:
+        sides["sequence"] = raw_sequence
     r = alternate(sides, rounds)
     for conn in conns:
         conn.close()
@@ -352,6 +421,12 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
                f"100 rows a statement ({buckets:,} buckets)", r["consumer100"], r["raw100"],
                goal="report"),
     ]  # fmt: skip
+    if sqlite:
+        rows.append(
+            paired(f"{backend}: changes read, raw in commit order (a shard-wide sequence) "
+                   f"making a Change a row vs raw by position ({buckets:,} buckets)",
+                   r["sequence"], r["raw"], goal="report")
+        )  # fmt: skip
     if backend == "mysql":
         rows.append(
             paired(f"{backend}: changes read vs raw by position asking the columns packed "
