@@ -149,6 +149,16 @@ def test_retention_beyond_its_range_is_refused(fed: Any, kwargs: dict[str, Any])
     _still_reads(ds, page)
 
 
+@pytest.mark.parametrize("bodies", [1, 0, "yes", None, [True]])
+def test_bodies_other_than_a_bool_are_refused(fed: Any, bodies: object) -> None:
+    ds, page = fed
+    before = ds.feed.settings()
+    with pytest.raises(bagstore.ConfigurationError, match="bodies must be True or False"):
+        ds.feed.enable(bodies=bodies)
+    assert ds.feed.settings() == before
+    _still_reads(ds, page)
+
+
 def test_retention_at_its_bounds_is_taken(tmp_path: Path) -> None:
     with bagstore.open(tmp_path) as ds:
         ds.feed.enable(max_age=MOST_MAX_AGE, max_changes=MOST_MAX_CHANGES)
