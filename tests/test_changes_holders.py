@@ -13,7 +13,7 @@ import pytest
 import bagstore
 from bagstore import feedread
 from bagstore.backends import changesql
-from tests.conftest import Topology
+from tests.conftest import Topology, as_read
 
 
 def _two_copies(ds: bagstore.Datastore, bucket: int, other: int, top: int) -> None:
@@ -70,10 +70,13 @@ def _session_reader(
         return {b: e for b, e in ends.items() if wanted is None or b in wanted}
 
     def read(
-        by_shard: dict[int, list[tuple[int, int, int]]], _ends: dict[int, tuple[int, int, int]]
+        by_shard: dict[int, list[tuple[int, int, int]]],
+        _ends: dict[int, tuple[int, int, int]],
+        bodies: bool = True,
     ) -> list[tuple[Any, ...]]:
         ranges = [r for rs in by_shard.values() for r in rs]
-        return [row for b, lo, hi in ranges for row in streams[b] if lo <= row[1] <= hi]
+        rows = [row for b, lo, hi in ranges for row in streams[b] if lo <= row[1] <= hi]
+        return as_read(rows, bodies)
 
     def pruned(bucket: int, at: int, low: int) -> None:
         raise bagstore.ChangesPruned(f"bucket {bucket} read to {at}, pruned to {low}")

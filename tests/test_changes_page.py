@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import bagstore
 from bagstore import Change, feedpage, feedread
 from bagstore.backends import changesql
-from tests.conftest import Topology
+from tests.conftest import Topology, as_read
 
 
 def test_entity_is_what_was_written_and_decoded_when_read(topo: Topology) -> None:
@@ -136,11 +136,16 @@ def _session_pages(
         return {b: (len(streams[b]), 0, b % 3) for b in buckets if wanted is None or b in wanted}
 
     def read(
-        by_shard: dict[int, list[tuple[int, int, int]]], ends: dict[int, tuple[int, int, int]]
+        by_shard: dict[int, list[tuple[int, int, int]]],
+        ends: dict[int, tuple[int, int, int]],
+        bodies: bool = True,
     ) -> list[tuple[Any, ...]]:
         for shard, ranges in by_shard.items():
             assert all(b % 3 == shard for b, _, _ in ranges)  # asked where it is
-        return [r for rs in by_shard.values() for b, lo, hi in rs for r in streams[b][lo - 1 : hi]]
+        return as_read(
+            [r for rs in by_shard.values() for b, lo, hi in rs for r in streams[b][lo - 1 : hi]],
+            bodies,
+        )
 
     def pruned(bucket: int, at: int, low: int) -> None:
         raise AssertionError("nothing is pruned here")
@@ -156,7 +161,8 @@ def _session_pages(
             for b in rng.sample(buckets, min(3, len(buckets))):
                 at = len(streams[b])
                 high = max((r[5] for r in streams[b]), default=0)
-                streams[b].append((b, at + 1, b"id", 0, 1, high + rng.randint(0, 5), None))
+                body = rng.choice([None, rng.randbytes(50)])
+                streams[b].append((b, at + 1, b"id", 0, 1, high + rng.randint(0, 5), body))
         elif not page:
             break
     return pages
@@ -168,7 +174,9 @@ def test_session_pages_are_the_plain_merge(monotone: bool) -> None:
     time (as many as a memory budget allows, or without one), are together
     the plain merge of every bucket's rows (the running maximum from the
     start), each at most ``limit`` rows and full while rows are left; rows
-    written between pages all come, once, each bucket's in position order."""
+    written between pages all come, once, each bucket's in position order;
+    rows read without their bodies (a budget too small for them, or a row
+    size not known yet) come with them, as stored."""
     rng = random.Random(26)
     for round_no in range(120):
         streams: dict[int, list[tuple[Any, ...]]] = {}
@@ -176,7 +184,11 @@ def test_session_pages_are_the_plain_merge(monotone: bool) -> None:
             times = [rng.randint(1, 50) for _ in range(rng.randint(0, 40))]
             if monotone:
                 times.sort()
-            streams[b] = [(b, i + 1, b"id", 0, 1, t, None) for i, t in enumerate(times)]
+            bodies = [rng.choice([None, b"", rng.randbytes(rng.randint(1, 900))]) for _ in times]
+            streams[b] = [
+                (b, i + 1, b"id", 0, 1, t, x)
+                for i, (t, x) in enumerate(zip(times, bodies, strict=True))
+            ]
         limit = rng.randint(1, 120)
         grow = round_no % 2 == 1
         pages = _session_pages(streams, rng, limit, grow)
@@ -267,7 +279,9 @@ def _pages_with_moves(
         return out
 
     def read(
-        by_shard: dict[int, list[tuple[int, int, int]]], ends: dict[int, tuple[int, int, int]]
+        by_shard: dict[int, list[tuple[int, int, int]]],
+        ends: dict[int, tuple[int, int, int]],
+        bodies: bool = True,
     ) -> list[tuple[Any, ...]]:
         calls[0] += 1
         out = []
@@ -275,7 +289,7 @@ def _pages_with_moves(
             for b, lo, hi in by_shard[shard]:
                 if where[b] == shard:
                     out += streams[b][lo - 1 : min(hi, visible(b))]
-        return out
+        return as_read(out, bodies)
 
     def pruned(bucket: int, at: int, low: int) -> None:
         raise AssertionError("nothing is pruned here")
@@ -334,11 +348,13 @@ def test_a_bucket_whose_rest_fits_in_one_read_is_read_to_its_end(
         return {b: (changes, 0, 0) for b in streams if wanted is None or b in wanted}
 
     def read(
-        by_shard: dict[int, list[tuple[int, int, int]]], ends: dict[int, tuple[int, int, int]]
+        by_shard: dict[int, list[tuple[int, int, int]]],
+        ends: dict[int, tuple[int, int, int]],
+        bodies: bool = True,
     ) -> list[tuple[Any, ...]]:
         for b, lo, hi in by_shard[0]:
             asked.setdefault(b, []).append(hi - lo + 1)
-        return [r for b, lo, hi in by_shard[0] for r in streams[b][lo - 1 : hi]]
+        return as_read([r for b, lo, hi in by_shard[0] for r in streams[b][lo - 1 : hi]], bodies)
 
     def pruned(bucket: int, at: int, low: int) -> None:
         raise AssertionError("nothing is pruned here")
@@ -654,10 +670,12 @@ def test_a_first_page_under_a_budget_reads_every_bucket_again_once_sized(budget:
         return {b: (20, 0, 0) for b in streams if wanted is None or b in wanted}
 
     def read(
-        by_shard: dict[int, list[tuple[int, int, int]]], ends: dict[int, tuple[int, int, int]]
+        by_shard: dict[int, list[tuple[int, int, int]]],
+        ends: dict[int, tuple[int, int, int]],
+        bodies: bool = True,
     ) -> list[tuple[Any, ...]]:
         reads.append({b: hi - lo + 1 for b, lo, hi in by_shard[0]})
-        return [r for b, lo, hi in by_shard[0] for r in streams[b][lo - 1 : hi]]
+        return as_read([r for b, lo, hi in by_shard[0] for r in streams[b][lo - 1 : hi]], bodies)
 
     def pruned(bucket: int, at: int, low: int) -> None:
         raise AssertionError("nothing is pruned here")

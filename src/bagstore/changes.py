@@ -121,8 +121,10 @@ class Feed:
     def read_ahead_bytes(self) -> int:
         """The memory (bytes, estimated from the rows read) that rows read
         ahead and not returned yet may take, all of this feed's readers
-        together; a read never reads less than each bucket's first rows
-        (about two pages), whatever this says.  Default 32 MiB."""
+        together; a read never reads less than each bucket's first rows,
+        whatever this says, but reads them without their bodies when they
+        would not fit (a page's bodies read when it is returned).  Default
+        32 MiB."""
         return self._read_ahead
 
     @read_ahead_bytes.setter
@@ -291,20 +293,22 @@ class Feed:
         self,
         by_shard: dict[int, list[tuple[int, int, int]]],
         ends: dict[int, tuple[int, int, int]],
+        bodies: bool = True,
     ) -> list[Any]:
         """The change rows of ``{shard: [(bucket, lo, hi), ...]}``, one
         statement a group of shards (see :meth:`_groups`); ``ends``: the
         buckets' ``(last position, last pruned, shard)`` as the reader knows
         them (how many rows lie between the ranges, see
-        :func:`bagstore.backends.changerange.read_ranges`)."""
+        :func:`bagstore.backends.changerange.read_ranges`); ``bodies``
+        False: each body's length in its place."""
         backends = self.router.backends
 
         def on(group: list[int]) -> list[tuple[Any, ...]]:
             if len(group) == 1:
                 s = group[0]
-                return sql.read_ranges(backends[s], self.kind, by_shard[s], (ends, s))
+                return sql.read_ranges(backends[s], self.kind, by_shard[s], (ends, s), bodies)
             parts = [(backends[s], by_shard[s], (ends, s)) for s in group]
-            return sql.ranges_together(self.kind, parts)
+            return sql.ranges_together(self.kind, parts, bodies)
 
         parts = self.router.map(on, self._groups(sorted(by_shard)))
         rows = parts[0] if len(parts) == 1 else list(chain.from_iterable(parts))

@@ -13,6 +13,10 @@ statement a shard), and again until the page is full.  Each row is read once,
 and the buckets a page does not reach cost it nothing.  How far ahead a
 bucket is read is bounded by the memory the reader allows its rows read
 ahead (:attr:`Session.budget`, a row's size measured from the rows read).
+Rows the budget has no room for with their bodies (before a row's size is
+known, or when even each bucket's least read would not fit: large bodies
+over many buckets) are read without them, each body's length in its place,
+and a page's bodies are read when it is returned (:func:`_with_bodies`).
 
 Whatever does not go on from the session's end (another cursor, the first
 page, a session left by a failed read) starts a fresh one: the buckets'
@@ -42,6 +46,8 @@ from itertools import accumulate, chain, compress, count, islice, repeat
 from operator import add, gt, itemgetter, lshift, lt, or_, sub
 from typing import Any, cast
 
+from bagstore.errors import ChangesLost
+
 __all__ = ["Session", "next_rows"]
 
 _UPDATED, _BUCKET, _POS = itemgetter(5), itemgetter(0), itemgetter(1)
@@ -54,11 +60,12 @@ _16 = repeat(16)
 _MASK = (1 << 16) - 1
 #: ``holders(buckets or None)``: ``{bucket: (last position, last pruned, shard)}``.
 Holders = Callable[[set[int] | None], dict[int, tuple[int, int, int]]]
-#: ``read({shard: [(bucket, lo, hi), ...]}, ends)``: the change rows of those
-#: ranges; ``ends`` the session's ``{bucket: (last position, last pruned,
-#: shard)}``, what the reader may know of the rows between the ranges.
+#: ``read({shard: [(bucket, lo, hi), ...]}, ends, bodies)``: the change rows
+#: of those ranges; ``ends`` the session's ``{bucket: (last position, last
+#: pruned, shard)}``, what the reader may know of the rows between the
+#: ranges; ``bodies`` False: each body's length (an int, or None) in its place.
 Reader = Callable[
-    [dict[int, list[tuple[int, int, int]]], dict[int, tuple[int, int, int]]],
+    [dict[int, list[tuple[int, int, int]]], dict[int, tuple[int, int, int]], bool],
     list[tuple[Any, ...]],
 ]
 #: ``pruned(bucket, at, pruned)``: raises ChangesPruned.
@@ -98,6 +105,9 @@ class Session:
     row_bytes: int = 0
     #: positions read afresh by :func:`start` and not used by a page yet
     fresh: bool = False
+    #: rows held that were read without their bodies (at most: rows read so
+    #: and dropped are counted until none is held)
+    bodiless: int = 0
 
     def goes_on(
         self, positions: dict[int, int], buckets: frozenset[int] | None, oldest: bool, epoch: int
@@ -240,6 +250,8 @@ def next_rows(
     n = min(n, limit)
     rows = s.rows[:n]
     del s.rows[:n]
+    if s.bodiless:
+        rows = _with_bodies(s, rows, read, holders, pruned)
     if s.keys is not None:
         del s.keys[:n]
         if not s.keys:
@@ -303,6 +315,12 @@ def _fill(
         cap = _UNBOUND
     elif s.row_bytes:
         cap = max(first, (s.budget // s.row_bytes - len(s.rows)) // len(picked))
+    # Without bodies (their lengths in their place) when the budget has no
+    # room for each bucket's least read with them, or a row's size is not
+    # known yet: a page's bodies are read when it is returned.
+    bodies = s.budget is None or (
+        s.row_bytes > 0 and s.row_bytes * (len(s.rows) + first * len(picked)) <= s.budget
+    )
     for bound in picked:
         b = bound & _MASK
         lo = read_to[b][0] + 1
@@ -317,9 +335,11 @@ def _fill(
     asked.sort()
     for ranges in by_shard.values():
         ranges.sort()
-    rows = read(by_shard, ends)
+    rows = read(by_shard, ends, bodies)
     if rows:
         _measure(s, rows)
+        if not bodies:
+            s.bodiless += len(rows)
     buckets = list(map(_BUCKET, asked))
     counts = [hi - lo + 1 for _, lo, hi in asked]
     bs = list(map(_BUCKET, rows))
@@ -341,15 +361,24 @@ def _fill(
 #: ints; measured by sys.getsizeof: ~300 bytes), a Change made of it included
 _ROW_BYTES = 400
 _UNBOUND = 1 << 62
+#: the rows a row's size estimate is drawn from, the last read's the newest
+_MEASURED = 1024
 _BODY = itemgetter(6)
 
 
 def _measure(s: Session, rows: list[tuple[Any, ...]]) -> None:
-    """Update the session's estimate of a row's memory from ~32 of ``rows``."""
+    """Update the session's estimate of a row's memory from ~32 of ``rows``,
+    a read weighing as its rows against the last :data:`_MEASURED` rows
+    (the few rows of a bucket's last read, its deletes, say, do not sway
+    it: halving it at each read did, below a tenth of the rows' size)."""
     sample = rows[:: len(rows) // 32 + 1]
-    bodies = sum(map(len, filter(None, map(_BODY, sample))))
+    # (a body read without it: its length, an int, in its place)
+    bodies = sum(b if type(b) is int else len(b) for b in map(_BODY, sample) if b)
     est = _ROW_BYTES + bodies // len(sample)
-    s.row_bytes = est if not s.row_bytes else (s.row_bytes + est) // 2
+    if not s.row_bytes:
+        s.row_bytes = est
+    else:
+        s.row_bytes += (est - s.row_bytes) * min(len(rows), _MEASURED) // _MEASURED
 
 
 def _fill_whole(
@@ -475,6 +504,51 @@ def _merge(s: Session, keys: list[int], rows: list[tuple[Any, ...]]) -> None:
     order = sorted(range(len(keys)), key=keys.__getitem__)
     s.keys = list(map(keys.__getitem__, order))
     s.rows = list(map(rows.__getitem__, order))
+
+
+def _with_bodies(
+    s: Session, rows: list[tuple[Any, ...]], read: Reader, holders: Holders, pruned: Pruned
+) -> list[tuple[Any, ...]]:
+    """A page's ``rows`` with the bodies of those read without them (see
+    :func:`_fill`), read from each bucket's shard, one statement a group of
+    shards: a bucket moved meanwhile is read where it is now; a change
+    pruned meanwhile raises (``pruned``)."""
+    need = [i for i, body in enumerate(map(_BODY, rows)) if type(body) is int]
+    s.bodiless = max(0, s.bodiless - len(need)) if s.rows else 0
+    for _ in range(3):
+        if not need:
+            return rows
+        by_shard: dict[int, list[tuple[int, int, int]]] = {}
+        for b, p in sorted(map(_AT, map(rows.__getitem__, need))):
+            ranges = by_shard.setdefault(s.ends[b][2], [])
+            if ranges and ranges[-1][0] == b and ranges[-1][2] == p - 1:
+                ranges[-1] = (b, ranges[-1][1], p)  # one range of a bucket's run
+            else:
+                ranges.append((b, p, p))
+        found = {_AT(r): r for r in read(by_shard, s.ends, True)}
+        missing = []
+        for i in need:
+            got = found.get(_AT(rows[i]))
+            if got is None:
+                missing.append(i)
+            else:
+                rows[i] = got
+        need = missing
+        if need:  # moved or pruned since: where the buckets are now
+            fresh = holders({rows[i][0] for i in need})
+            for b, p in map(_AT, map(rows.__getitem__, need)):
+                top, low, shard = fresh.get(b, s.ends[b])
+                if low >= p:
+                    pruned(b, p - 1, low)
+                s.ends[b] = (top, low, shard)
+    if not need:
+        return rows
+    b, p = _AT(rows[need[0]])
+    raise ChangesLost(
+        f"change {p} of bucket {b} was read, then was not found to read its body: gone "
+        "from its shard though neither pruned nor moved (lost in a failover?); read from "
+        "the start or reset the consumer"
+    )
 
 
 def _steps(values: list[int], op: Callable[[int, int], bool]) -> set[int]:

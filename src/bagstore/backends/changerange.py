@@ -52,6 +52,10 @@ _PACKED_READ = (
     "UNHEX(LPAD(HEX(op), 2, '0')), UNHEX(LPAD(HEX(version), 16, '0')), "
     "UNHEX(LPAD(HEX(updated), 16, '0'))), body FROM "
 )
+#: A read without bodies (a reader short of memory, see
+#: bagstore.feedread): each body's length in bytes in its place, NULL where
+#: there is none.
+_LENGTH = "LENGTH(body) FROM "
 _PACKED = struct.Struct(">Hq16sBqq")
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 #: SQLite: the sizes of the ``VALUES`` lists of ranges a read is padded to
@@ -72,13 +76,15 @@ Known = tuple[dict[int, tuple[int, int, int]], int]
 
 
 @functools.cache
-def _values_sql(table: str, size: int) -> str:
+def _values_sql(table: str, size: int, bodies: bool = True) -> str:
     """SQLite: the change rows of ``size`` ranges bound as ``VALUES (bucket, lo,
     hi), ...`` and then the kind; CROSS JOIN keeps the ranges the outer loop,
-    each a primary-key search, in the order given."""
+    each a primary-key search, in the order given (``bodies`` False: each
+    body's length in its place)."""
     values = ",".join(["(?,?,?)"] * size)
+    body = "c.body" if bodies else "LENGTH(c.body)"
     return (
-        "SELECT c.bucket, c.pos, c.id, c.op, c.version, c.updated, c.body "
+        f"SELECT c.bucket, c.pos, c.id, c.op, c.version, c.updated, {body} "
         f"FROM (VALUES {values}) AS r CROSS JOIN {table} AS c WHERE c.kind = ? "
         "AND c.bucket = r.column1 AND c.pos >= r.column2 AND c.pos <= r.column3"
     )
@@ -161,6 +167,7 @@ def _ranges_sql(
     ranges: Sequence[tuple[int, int, int]],
     qualified: bool,
     known: Known | None = None,
+    bodies: bool = True,
 ) -> tuple[str, list[Any]]:
     """One ``SELECT`` of the change rows in ``ranges`` (at most
     :data:`_RANGES_PER_STATEMENT`) of one shard, and its parameters.
@@ -176,13 +183,16 @@ def _ranges_sql(
     ~1.5 M instructions for 200 ranges; it reads an ``OR`` with a temporary
     b-tree).  Measured (callgrind, 200 ranges of 5 rows): 10.6 M instructions
     a statement, against 12.5 M for the ranges as one JSON parameter
-    (``json_each``, formatted and parsed a range)."""
+    (``json_each``, formatted and parsed a range).  ``bodies`` False: each
+    body's length in its place (NULL where there is none)."""
     p = backend.dialect.param
     table = table_of(backend, CHANGES, qualified)
     params: list[Any] = []
     if _mysql(backend):
         where, params = _mysql_ranges(p, ranges, known)
         read = _PACKED_READ if backend.parses_in_python else _READ
+        if not bodies:
+            read = read.replace("body FROM ", _LENGTH)
         return f"{read}{table} WHERE kind = {p} AND ({where})", [kind, *params]
     n = len(ranges)
     size = _SIZES[bisect_left(_SIZES, n)]
@@ -190,7 +200,7 @@ def _ranges_sql(
     if size > n:
         params += _PAD * (size - n)
     params.append(kind)
-    return _values_sql(table, size), params
+    return _values_sql(table, size, bodies), params
 
 
 def read_ranges(
@@ -198,6 +208,7 @@ def read_ranges(
     kind: str,
     ranges: Sequence[tuple[int, int, int]],
     known: Known | None = None,
+    bodies: bool = True,
 ) -> list[tuple[Any, ...]]:
     """The change rows of ``kind`` with ``lo <= pos <= hi`` in each ``(bucket,
     lo, hi)`` (sorted), one statement per 200 ranges (see :func:`_ranges_sql`;
@@ -205,11 +216,12 @@ def read_ranges(
     this shard)``, for MariaDB to read runs of them as spans of buckets);
     rows ``(bucket, pos, id, op, version, updated, body)`` as the driver
     returns them, normally in the order of ``ranges`` and positions (callers
-    check)."""
+    check); ``bodies`` False: each body's length (an int, or None) in its
+    place."""
     out: list[tuple[Any, ...]] = []
     for start in range(0, len(ranges), _RANGES_PER_STATEMENT):
         sql, params = _ranges_sql(
-            backend, kind, ranges[start : start + _RANGES_PER_STATEMENT], False, known
+            backend, kind, ranges[start : start + _RANGES_PER_STATEMENT], False, known, bodies
         )
         out += _rows(backend, backend.fetchall(sql, params))
     return out
@@ -231,7 +243,9 @@ def table_of(backend: Backend, table: str, qualified: bool) -> str:
 
 
 def ranges_together(
-    kind: str, parts: Sequence[tuple[Backend, Sequence[tuple[int, int, int]], Known | None]]
+    kind: str,
+    parts: Sequence[tuple[Backend, Sequence[tuple[int, int, int]], Known | None]],
+    bodies: bool = True,
 ) -> list[tuple[Any, ...]]:
     """:func:`read_ranges` of several shards of one ``together`` key (each
     with what the reader knows of its rows, or None): a ``UNION ALL`` of one
@@ -246,7 +260,7 @@ def ranges_together(
         selects: list[str] = []
         params: list[Any] = []
         for backend, ranges, known in chunk:
-            sql, more = _ranges_sql(backend, kind, ranges, True, known)
+            sql, more = _ranges_sql(backend, kind, ranges, True, known, bodies)
             selects.append(sql)
             params += more
         reach = list({id(b): b for b, _, _ in chunk}.values())
