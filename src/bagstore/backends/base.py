@@ -26,6 +26,7 @@ from typing import Any, ClassVar, TypeVar
 
 from bagstore.backends.buckets import BucketOps
 from bagstore.backends.changesql import ensure_change_tables
+from bagstore.backends.chunks import by_size, row_bytes
 from bagstore.backends.entities import (
     ENTITY_COLUMNS,
     EntityOps,
@@ -504,9 +505,9 @@ class Backend(GatedReads, EntityOps, BucketOps, IndexOps, ScanOps):
     def insert_ignore(
         self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
     ) -> None:
-        """Insert rows, leaving alone any whose key exists (one statement per chunk)."""
-        for start in range(0, len(rows), 500):
-            chunk = rows[start : start + 500]
+        """Insert rows, leaving alone any whose key exists (chunked statements)."""
+        sizes = list(map(row_bytes, rows))
+        for chunk in by_size(rows, sizes, self.max_statement_bytes, 500):
             sql = self.dialect.insert_ignore_sql(table, columns, len(chunk))
             self.execute(sql, [v for row in chunk for v in row])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from bagstore.backends.chunks import by_size
 from bagstore.backends.indexsql import BUCKET, CLAIMED, ENTITY_ID, IndexRow
 from bagstore.errors import KeyMigrating, StalePlacement
 
@@ -44,6 +45,7 @@ class BucketOps:
 
     dialect: Dialect
     name: str
+    max_statement_bytes: int
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         raise NotImplementedError
@@ -177,10 +179,12 @@ class BucketOps:
     def copy_entity_rows(
         self, kind: str, rows: Sequence[tuple[bytes, int, int, int, bytes]]
     ) -> None:
-        """Write rows exactly as read elsewhere (version and updated kept)."""
+        """Write rows exactly as read elsewhere (version and updated kept), 200
+        a statement at most, within ``max_statement_bytes`` (large bodies: a
+        MariaDB statement must fit in the server's ``max_allowed_packet``)."""
         d = self.dialect
-        for start in range(0, len(rows), 200):
-            chunk = rows[start : start + 200]
+        sizes = [len(r[4]) + 64 for r in rows]
+        for chunk in by_size(rows, sizes, self.max_statement_bytes, 200):
             sql = d.copy_entities_sql(kind, len(chunk))
             self.execute(sql, [v for r in chunk for v in r])
 

@@ -18,6 +18,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from bagstore.backends.changesql import skip_sql
+from bagstore.backends.chunks import by_size
 from bagstore.backends.entityrows import EntityRow, Stored, entity_row, entity_rows
 from bagstore.backends.entitysql import NOT_OWNED, EntitySQL
 from bagstore.backends.pipeline import later
@@ -184,18 +185,10 @@ class EntityOps:
         if len(rows) <= self.max_statement_rows and (
             sum(map(len, map(_BODY, rows))) + 64 * len(rows) <= self.max_statement_bytes
         ):
-            yield rows  # (the loop below would make this one chunk)
+            yield rows  # (by_size would make this one chunk)
             return
-        start, size = 0, 0
-        for i, row in enumerate(rows):
-            size += len(row.body) + 64
-            if i > start and (
-                size > self.max_statement_bytes or i - start >= self.max_statement_rows
-            ):
-                yield rows[start:i]
-                start, size = i, len(row.body) + 64
-        if start < len(rows):
-            yield rows[start:]
+        sizes = [len(r.body) + 64 for r in rows]
+        yield from by_size(rows, sizes, self.max_statement_bytes, self.max_statement_rows)
 
     def put_entities(
         self,
