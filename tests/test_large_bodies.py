@@ -39,6 +39,15 @@ def test_chunks_keep_the_rows_in_order_within_both_bounds(
         assert len(more) > max_rows or sum(sizes[r] for r in more) > max_bytes
 
 
+def test_the_chunker_s_doctests_pass() -> None:
+    import doctest
+
+    from bagstore.backends import chunks
+
+    failed, attempted = doctest.testmod(chunks)
+    assert failed == 0 and attempted == 2
+
+
 def test_a_rows_size_counts_its_bytes_and_strings() -> None:
     assert row_bytes((b"x" * 100, "yz", 7, None)) == 102 + 4 * 16
 
