@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import random
 from itertools import pairwise
+from pathlib import Path
+from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import bagstore
+from bagstore.backends import changesql
 from bagstore.backends.chunks import by_size, row_bytes
 from tests.conftest import Topology
 
@@ -101,3 +105,41 @@ def test_a_key_of_large_entities_migrates(topo: Topology) -> None:
     for entity_id, entity in written.items():
         assert ds.bucket_of_id(entity_id) == to
         assert ds.get(entity_id) == {**entity, "id": entity_id}
+
+
+def test_a_move_reads_large_change_rows_a_few_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket's 24 change rows of 1 MB: the move reads them ten at first,
+    then as many as fit in ~8 MiB, not a hundred at once."""
+    urls = [f"sqlite:///{tmp_path}/s{i}.db" for i in range(2)]
+    ds = bagstore.Datastore(urls, buckets=2, shard_key="user")
+    ds.feed.enable(bodies=True)
+    rng = random.Random(5)
+    ids = [ds.put({"user": "ann", "blob": rng.randbytes(1_000_000)}) for _ in range(8)]
+    for _ in range(2):
+        for i in ids:
+            ds.put({"id": i, "user": "ann", "blob": rng.randbytes(1_000_000)})
+    bucket = ds.bucket_of_id(ids[0])
+    assert bucket is not None and {ds.bucket_of_id(i) for i in ids} == {bucket}
+    reads: list[tuple[int, int]] = []  # rows, bytes of bodies
+    read = changesql.bucket_change_rows
+
+    def spy(*args: Any) -> list[changesql.ChangeRow]:
+        rows = read(*args)
+        reads.append((len(rows), sum(len(r.body or b"") for r in rows)))
+        return rows
+
+    monkeypatch.setattr(changesql, "bucket_change_rows", spy)
+    here = ds.placement.shard_of_bucket[bucket]
+    bagstore.Mover(ds, grace=0).move([bucket], to=1 - here)
+    # every change row copied, once: ten, then the eight of ~1 MB that fit in
+    # 8 MiB, then the last six
+    assert [n for n, _ in reads] == [10, 8, 6]
+    assert all(size <= 8 * 2**20 for _, size in reads[1:]), reads
+    since, got = None, 0
+    while page := ds.changes(since=since, limit=5):
+        got += len(page)
+        since = page.cursor
+    assert got == 24
+    ds.close()

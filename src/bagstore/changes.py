@@ -510,6 +510,10 @@ class Feed:
 
 
 # -- bucket moves (bagstore.scaleout.Mover) ------------------------------------------
+#: what the change rows a move reads at a time may take in memory, about
+_COPY_BYTES = 8 * 2**20
+
+
 def sync_bucket_changes(
     src: Backend,
     dst: Backend,
@@ -517,23 +521,27 @@ def sync_bucket_changes(
     step: int,
     after_step: Callable[[int, float], None] | None = None,
 ) -> int:
-    """Copy a bucket's change rows that ``dst`` lacks, ``step`` rows per
-    statement, then its position rows: change rows are never rewritten, so
+    """Copy a bucket's change rows that ``dst`` lacks, up to ``step`` rows per
+    statement (fewer while the rows are large: ~:data:`_COPY_BYTES` a
+    statement), then its position rows: change rows are never rewritten, so
     those above ``dst``'s highest are all it lacks.  ``after_step(rows,
     started)`` after each statement (the mover's pacing).  Returns rows copied."""
     copied = 0
     have = sql.bucket_change_tops(dst, bucket)
     tops = sql.bucket_positions(src, bucket)
+    size = min(step, 10)  # rows of a size not known yet: a few first
     for kind, (top, _) in tops.items():
         after = have.get(kind, 0)
         while after < top:
             started = time.monotonic()
-            rows = sql.bucket_change_rows(src, kind, bucket, after, step)
+            rows = sql.bucket_change_rows(src, kind, bucket, after, size)
             if not rows:
                 break
             sql.copy_change_rows(dst, rows)
             copied += len(rows)
             after = rows[-1].pos
+            held = sum(len(r.body or b"") + 400 for r in rows) // len(rows)
+            size = max(1, min(step, _COPY_BYTES // held))
             if after_step is not None:
                 after_step(len(rows), started)
     sql.set_positions(dst, bucket, tops)
