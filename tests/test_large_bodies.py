@@ -143,3 +143,56 @@ def test_a_move_reads_large_change_rows_a_few_at_a_time(
         since = page.cursor
     assert got == 24
     ds.close()
+
+
+def test_the_batch_sizers_doctests_pass() -> None:
+    import doctest
+
+    from bagstore import rowsize
+
+    failed, attempted = doctest.testmod(rowsize)
+    assert failed == 0 and attempted >= 6
+
+
+def _sized_reads(
+    monkeypatch: pytest.MonkeyPatch, backend: Any, method: str, body_of: Any
+) -> list[tuple[int, int, int]]:
+    """(rows asked, rows read, bytes of their bodies) of each call of a
+    backend's scan ``method`` from now on."""
+    calls: list[tuple[int, int, int]] = []
+    scan = getattr(backend, method)
+
+    def spy(kind: str, *args: Any, **kw: Any) -> Any:
+        got = scan(kind, *args, **kw)
+        rows = got[0] if isinstance(got, tuple) else got
+        calls.append((args[-1], len(rows), sum(len(body_of(r)) for r in rows)))
+        return got
+
+    monkeypatch.setattr(backend, method, spy)
+    return calls
+
+
+def test_a_backfill_and_a_repair_read_large_bodies_a_few_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """60 entities of 1 MB on one shard: a flat-out backfill (5,000 rows a
+    batch) and a repair (1,000) read ten first, then what fits in ~32 MiB,
+    rather than every body at once; the index is whole."""
+    ds = bagstore.Datastore([f"sqlite:///{tmp_path}/one.db"])
+    rng = random.Random(3)
+    for n in range(60):
+        ds.put({"n": n % 7, "blob": rng.randbytes(1_000_000)})
+    backend = ds.router.backends[0]
+    reads = _sized_reads(monkeypatch, backend, "scan_bodies", lambda r: r[1])
+    by_n = bagstore.Index("by_n", ["n"])
+    assert ds.add_index(by_n) == "building"
+    stats = bagstore.Cleaner(ds, duty=0, settle=0).backfill("by_n")
+    assert stats.written == 60
+    assert [asked for asked, _, _ in reads] == [10, 33, 33], reads  # 32 MiB / ~1 MB
+    assert max(size for _, _, size in reads) <= 32 * 2**20
+    assert len(by_n.get_all(ds, n=3)) == len([n for n in range(60) if n % 7 == 3])
+    recent = _sized_reads(monkeypatch, backend, "scan_recent", lambda r: r[2])
+    bagstore.Cleaner(ds, settle=0).repair(sweep=False)
+    assert [asked for asked, _, _ in recent] == [10, 33, 33, 33], recent
+    assert max(size for _, _, size in recent) <= 32 * 2**20
+    ds.close()

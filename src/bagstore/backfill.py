@@ -42,6 +42,7 @@ from bagstore.errors import ConfigurationError
 from bagstore.index import BUILDING, READY, Index
 from bagstore.logs import ProgressLog, rate
 from bagstore.owners import unfinished_moves
+from bagstore.rowsize import SizedBatch
 from bagstore.sharding.hashing import bucket_of
 
 if TYPE_CHECKING:
@@ -162,6 +163,8 @@ class ShardFill:
         self.throttle = cleaner._throttle(shards)
         self.flat_out = not cleaner.duty
         self.batch = cleaner.bulk_batch if self.flat_out else cleaner.batch
+        #: rows a read asks for: fewer than the batch while the bodies are large
+        self.size = SizedBatch(self.batch)
         self.stats = CleanStats()
         self.position = 0
         self.saved = (0, -CHECKPOINT_EVERY)  # position saved, and when
@@ -233,10 +236,11 @@ class ShardFill:
     def read(self, after: int) -> Batch | None:
         """The next batch after ``after``, its index rows built; None at the end."""
         scanned, stamps = self.backend.scan_bodies(
-            self.kind, after, self.batch, packed=self.flat_out
+            self.kind, after, self.size.rows, packed=self.flat_out
         )
         if not scanned:
             return None
+        self.size.read(len(scanned), sum(len(body) for _, body in scanned))
         cleaner = self.cleaner
         unseen = unfinished_moves(cleaner.router).ids_on(self.backend, self.shard, self.kind)
         buckets = cleaner.ds.placement.buckets

@@ -54,6 +54,7 @@ from bagstore.feedpage import (
     encode_positions,
     page_changes,
 )
+from bagstore.rowsize import SizedBatch
 
 if TYPE_CHECKING:
     from bagstore.sharding.router import Router
@@ -529,19 +530,18 @@ def sync_bucket_changes(
     copied = 0
     have = sql.bucket_change_tops(dst, bucket)
     tops = sql.bucket_positions(src, bucket)
-    size = min(step, 10)  # rows of a size not known yet: a few first
+    size = SizedBatch(step, _COPY_BYTES)
     for kind, (top, _) in tops.items():
         after = have.get(kind, 0)
         while after < top:
             started = time.monotonic()
-            rows = sql.bucket_change_rows(src, kind, bucket, after, size)
+            rows = sql.bucket_change_rows(src, kind, bucket, after, size.rows)
             if not rows:
                 break
             sql.copy_change_rows(dst, rows)
             copied += len(rows)
             after = rows[-1].pos
-            held = sum(len(r.body or b"") + 400 for r in rows) // len(rows)
-            size = max(1, min(step, _COPY_BYTES // held))
+            size.read(len(rows), sum(len(r.body or b"") for r in rows))
             if after_step is not None:
                 after_step(len(rows), started)
     sql.set_positions(dst, bucket, tops)

@@ -67,6 +67,7 @@ from bagstore.check import iter_index_rows
 from bagstore.errors import ConfigurationError
 from bagstore.index import Index
 from bagstore.owners import Moves, drop_dead_claims, unfinished_moves
+from bagstore.rowsize import SizedBatch
 from bagstore.throttle import Throttle, check_pacing, check_seconds
 
 if TYPE_CHECKING:
@@ -335,11 +336,13 @@ class Cleaner:
         throttle = self._throttle(shards)
         stats = CleanStats()
         position: list[tuple[int, int] | None] = [None]
+        size = SizedBatch(self.batch)  # fewer rows a read while the bodies are large
 
         def one_batch() -> int | None:
-            batch = backend.scan_recent(self.ds.kind, position[0], since, self.batch)
+            batch = backend.scan_recent(self.ds.kind, position[0], since, size.rows)
             if not batch:
                 return None
+            size.read(len(batch), sum(len(r[2]) for r in batch))
             # A bucket in an unfinished move is reconciled from its owner's copy only.
             self._moves = seen = unfinished_moves(self.router)
             unseen = seen.ids_on(backend, shard, self.ds.kind)
