@@ -176,8 +176,8 @@ def test_a_backfill_and_a_repair_read_large_bodies_a_few_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """60 entities of 1 MB on one shard: a flat-out backfill (5,000 rows a
-    batch) and a repair (1,000) read ten first, then what fits in ~32 MiB,
-    rather than every body at once; the index is whole."""
+    batch), a repair (1,000) and its sweep read ten first, then what fits in
+    ~32 MiB, rather than every body at once; the index is whole."""
     ds = bagstore.Datastore([f"sqlite:///{tmp_path}/one.db"])
     rng = random.Random(3)
     for n in range(60):
@@ -192,7 +192,17 @@ def test_a_backfill_and_a_repair_read_large_bodies_a_few_at_a_time(
     assert max(size for _, _, size in reads) <= 32 * 2**20
     assert len(by_n.get_all(ds, n=3)) == len([n for n in range(60) if n % 7 == 3])
     recent = _sized_reads(monkeypatch, backend, "scan_recent", lambda r: r[2])
-    bagstore.Cleaner(ds, settle=0).repair(sweep=False)
+    fetched: list[int] = []
+    fetch = ds.fetch_many
+
+    def spy(ids: Any) -> Any:
+        got = fetch(ids)
+        fetched.append(len(got))
+        return got
+
+    monkeypatch.setattr(ds, "fetch_many", spy)
+    bagstore.Cleaner(ds, settle=0).repair()  # with its sweep of rows left by deletes
     assert [asked for asked, _, _ in recent] == [10, 33, 33, 33], recent
     assert max(size for _, _, size in recent) <= 32 * 2**20
+    assert fetched == [10, 33, 17]  # the sweep's pages: each fetches its entities
     ds.close()

@@ -475,21 +475,25 @@ class Cleaner:
         """
         removed = 0
         self._moves = unfinished_moves(self.router)
+        size = SizedBatch(self.batch)  # the entities a page fetches: fewer while large
         for shard, backend in enumerate(self.router.backends):
             page: list[tuple[bytes, ...]] = []
             for row in iter_index_rows(backend, index):
                 page.append(row)
-                if len(page) >= self.batch:
-                    removed += self._sweep_page(index, shard, page)
+                if len(page) >= size.rows:
+                    removed += self._sweep_page(index, shard, page, size)
                     page = []
-            removed += self._sweep_page(index, shard, page)
+            removed += self._sweep_page(index, shard, page, size)
         return removed
 
-    def _sweep_page(self, index: Index, shard: int, rows: list[tuple[bytes, ...]]) -> int:
+    def _sweep_page(
+        self, index: Index, shard: int, rows: list[tuple[bytes, ...]], size: SizedBatch
+    ) -> int:
         if not rows:
             return 0
         ids = list(dict.fromkeys(r[-1] for r in rows))
         present = self.ds.fetch_many(ids)
+        size.read(len(present), sum(len(s.body) for s in present.values()))
         gone = ids if index.unique else [i for i in ids if i not in present]
         if not gone:
             return 0
