@@ -506,8 +506,7 @@ class Backend(GatedReads, EntityOps, BucketOps, IndexOps, ScanOps):
         self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
     ) -> None:
         """Insert rows, leaving alone any whose key exists (chunked statements)."""
-        sizes = list(map(row_bytes, rows))
-        for chunk in by_size(rows, sizes, self.max_statement_bytes, 500):
+        for chunk in by_size(rows, list(map(row_bytes, rows)), self.max_statement_bytes, 500):
             sql = self.dialect.insert_ignore_sql(table, columns, len(chunk))
             self.execute(sql, [v for row in chunk for v in row])
 
