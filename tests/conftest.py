@@ -282,3 +282,20 @@ def sqlite_write_lock_held(path: str, seconds: float = 0.15) -> Iterator[list[st
     finally:
         thread.join()
         holder.close()
+
+
+def same_pages(topo: Topology, *reads: list[Any]) -> None:
+    """Reads of the same changes under different budgets: the same pages
+    (MariaDB), or on SQLite the same changes, each bucket's from its first
+    in position order (read in commit order, one shard's changes of one
+    time and another's come in no particular order: how the reads of the
+    shards interleave follows the budget)."""
+    if topo.is_mysql:
+        assert all(read == reads[0] for read in reads)
+        return
+    for read in reads:
+        assert sorted(read, key=lambda c: c[:2]) == sorted(reads[0], key=lambda c: c[:2])
+        last: dict[int, int] = {}
+        for c in read:
+            assert c[1] == last.get(c[0], 0) + 1, c
+            last[c[0]] = c[1]

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import bagstore
 from bagstore import Change, feedpage, feedread
 from bagstore.backends import changesql
-from tests.conftest import Topology, as_read
+from tests.conftest import Topology, as_read, same_pages
 
 
 def test_entity_is_what_was_written_and_decoded_when_read(topo: Topology) -> None:
@@ -619,8 +619,12 @@ def test_rows_read_ahead_stay_within_the_feed_budget(topo: Topology) -> None:
     whole, whole_peak = read_all(32 * 2**20)
     bounded, bounded_peak = read_all(2**20)
     least, _ = read_all(0)
-    assert len(whole) == 1500 and whole == bounded == least
-    assert whole_peak > 5_000_000  # most of the changes' 6 MB of bodies held at once
+    assert len(whole) == 1500
+    same_pages(topo, whole, bounded, least)
+    if topo.is_mysql:
+        assert whole_peak > 5_000_000  # most of the changes' 6 MB of bodies held at once
+    else:  # read in commit order, 256 rows a statement at most: a few shards' worth
+        assert whole_peak > 2_500_000
     # the budget, the page returned and the one made, the driver's buffers
     # of a read (MariaDB's result as received beside its rows)
     assert bounded_peak < min(3_000_000, whole_peak // 2), (bounded_peak, whole_peak)

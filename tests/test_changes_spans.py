@@ -208,12 +208,7 @@ def test_change_rows_read_packed_are_the_rows_stored(topo: Topology) -> None:
                 ident = rng.choice([bytes(16), b"\xff" * 16, b"ab" + bytes(14), rng.randbytes(16)])
                 body = rng.choice([None, b"", rng.randbytes(100_000), rng.randbytes(30)])
                 rows.append((bucket, pos, ident, op, version, updated, body))
-        p = backend.dialect.param
-        backend.execute(
-            f"INSERT INTO {changesql.CHANGES} (kind, bucket, pos, id, op, version, updated, body) "
-            f"VALUES {', '.join([f'({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})'] * len(rows))}",
-            [v for row in rows for v in ("edges", *row)],
-        )
+        changesql.copy_change_rows(backend, [changesql.ChangeRow("edges", *row) for row in rows])
         stored[no] = sorted(rows)
     ranges = {no: sorted({(r[0], 1, big) for r in rows}) for no, rows in stored.items()}
     packed = [b.parses_in_python for b in backends]

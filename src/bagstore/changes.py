@@ -35,15 +35,17 @@ import hmac
 import secrets
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain, repeat
-from operator import add, attrgetter
+from operator import add, methodcaller
 from typing import TYPE_CHECKING, Any
 
-from bagstore import feedread
-from bagstore.backends import Backend, check_identifier
+from bagstore import feedread, feedstream
+from bagstore.backends import Backend, changeseq, check_identifier
 from bagstore.backends import changesql as sql
+from bagstore.backends.consumersql import create_feed_catalog
 from bagstore.errors import ChangesLost, ChangesPruned, ConfigurationError, InvalidQuery
 from bagstore.feedpage import (
     Change,
@@ -54,7 +56,6 @@ from bagstore.feedpage import (
     encode_positions,
     page_changes,
 )
-from bagstore.rowsize import SizedBatch
 
 if TYPE_CHECKING:
     from bagstore.sharding.router import Router
@@ -73,7 +74,7 @@ MAX_LIMIT = 10_000
 _CURSOR_PREFIX = "c1."
 #: reading sessions kept (one a set of buckets read: a consumer's ranges)
 _SESSIONS = 64
-_ROWS = attrgetter("rows")
+_HELD = methodcaller("held_rows")
 #: the default of :attr:`Feed.read_ahead_bytes`
 READ_AHEAD_BYTES = 32 * 2**20
 #: seconds a reader's positions read afresh may be taken again when their
@@ -100,13 +101,13 @@ class Feed:
         self.kind = check_identifier(kind, "kind")
         self.router = router
         self.catalog = router.catalog_backend
-        sql.create_feed_catalog(self.catalog)
+        create_feed_catalog(self.catalog)
         self._key: bytes | None = None
         self._epoch: int | None = None
         self._epoch_at = 0.0
         self._epoch_version = -1  # the placement version when the epoch was read
         #: the reading sessions of the last pages read, by the buckets read
-        self._sessions: dict[frozenset[int] | None, feedread.Session] = {}
+        self._sessions: dict[frozenset[int] | None, feedread.Session | feedstream.Stream] = {}
         self._others: dict[str, Feed] = {}  # other kinds' feeds (see other())
         #: the last cursor made: (cursor, its positions, its epoch)
         self._issued: tuple[str, dict[int, int], int, int] | None = None
@@ -272,23 +273,55 @@ class Feed:
             self._pruned(bucket, at, low, who)
 
         epoch = self.epoch()
-        if session is None or not session.goes_on(positions, key, oldest, epoch):
+        backends = self.router.backends
+        stream = self.in_commit_order()
+        if (
+            session is None
+            or isinstance(session, feedstream.Stream) != stream
+            or not session.goes_on(positions, key, oldest, epoch)
+            or (isinstance(session, feedstream.Stream) and session.shards != len(backends))
+        ):
             check_positions(positions, self.router.placement.buckets)
-            session = feedread.start(key, positions, oldest, epoch, holders, pruned)
-        most = sql.rows_per_range(self.router.backends[0])
+            session = None
+        router = self.router
+        calls = (
+            lambda: [changeseq.tops(b, self.kind) for b in router.backends],
+            lambda wanted: self.holders(wanted, polled=wanted == every),
+            lambda shard, at: changeseq.first_after(router.backends[shard], self.kind, at),
+            pruned,
+        )
+        if session is None:
+            session = (
+                feedstream.start(key, positions, oldest, epoch, len(backends), calls)
+                if stream
+                else feedread.start(key, positions, oldest, epoch, holders, pruned)
+            )
         sessions = self._sessions
         # What its rows read ahead may take: the budget less what the other
         # sessions hold (a row's size as last measured, 0 before any read).
         size = session.row_bytes = session.row_bytes or self._row_bytes
-        others = sum(map(len, map(_ROWS, sessions.copy().values())))
+        others = sum(map(_HELD, sessions.copy().values()))
         session.budget = max(0, self._read_ahead - others * size)
-        rows = feedread.next_rows(session, limit, most, holders, self._read_ranges, pruned)
+        if isinstance(session, feedstream.Stream):
+            fetch = partial(_fetch_after, router, self.kind)
+            rows = feedstream.next_rows(session, limit, fetch, calls)
+        else:
+            most = sql.rows_per_range(backends[0])
+            rows = feedread.next_rows(session, limit, most, holders, self._read_ranges, pruned)
         self._row_bytes = session.row_bytes
         # the oldest dropped (threads may race here, and drop one too many)
         while len(sessions) >= _SESSIONS and key not in sessions:
             sessions.pop(next(iter(sessions.copy()), None), None)
         sessions[key] = session
-        return page_changes(rows, self.kind), dict(session.after)
+        # (a stream's positions are a new dict a page, never changed after)
+        after = session.after if isinstance(session, feedstream.Stream) else dict(session.after)
+        return page_changes(rows, self.kind), after
+
+    def in_commit_order(self) -> bool:
+        """Whether every shard keeps its change rows in commit order (SQLite,
+        :mod:`bagstore.backends.changeseq`): a shard's rows are read as they
+        lie, whatever buckets are asked (:mod:`bagstore.feedstream`)."""
+        return all(map(changeseq.sequenced, self.router.backends))
 
     def _read_ranges(
         self,
@@ -510,47 +543,13 @@ class Feed:
         return self.cursor({b: top for b, (top, _) in self.ends().items()}, epoch)
 
 
-# -- bucket moves (bagstore.scaleout.Mover) ------------------------------------------
-#: what the change rows a move reads at a time may take in memory, about
-_COPY_BYTES = 8 * 2**20
-
-
-def sync_bucket_changes(
-    src: Backend,
-    dst: Backend,
-    bucket: int,
-    step: int,
-    after_step: Callable[[int, float], None] | None = None,
-) -> int:
-    """Copy a bucket's change rows that ``dst`` lacks, up to ``step`` rows per
-    statement (fewer while the rows are large: ~:data:`_COPY_BYTES` a
-    statement), then its position rows: change rows are never rewritten, so
-    those above ``dst``'s highest are all it lacks.  ``after_step(rows,
-    started)`` after each statement (the mover's pacing).  Returns rows copied."""
-    copied = 0
-    have = sql.bucket_change_tops(dst, bucket)
-    tops = sql.bucket_positions(src, bucket)
-    size = SizedBatch(step, _COPY_BYTES)
-    for kind, (top, _) in tops.items():
-        after = have.get(kind, 0)
-        while after < top:
-            started = time.monotonic()
-            rows = sql.bucket_change_rows(src, kind, bucket, after, size.rows)
-            if not rows:
-                break
-            sql.copy_change_rows(dst, rows)
-            copied += len(rows)
-            after = rows[-1].pos
-            size.read(len(rows), sum(len(r.body or b"") for r in rows))
-            if after_step is not None:
-                after_step(len(rows), started)
-    sql.set_positions(dst, bucket, tops)
-    return copied
+def _fetch_after(router: Router, kind: str, shard: int, seq: int, n: int) -> tuple[list[Any], int]:
+    return changeseq.read_after(router.backends[shard], kind, seq, n)
 
 
 def prepare_feeds(catalog: Backend, backend: Backend) -> None:
     """A shard joining the store records the changes of every kind whose feed is on."""
-    sql.create_feed_catalog(catalog)
+    create_feed_catalog(catalog)
     sql.ensure_change_tables(backend)
     for kind, bodies in catalog.select_all("bagstore_feeds", ("kind", "bodies")):
         sql.set_triggers(backend, str(kind), on=True, bodies=bool(bodies))

@@ -121,6 +121,9 @@ class Session:
             and positions == self.after
         )
 
+    def held_rows(self) -> int:
+        return len(self.rows)
+
 
 def start(
     buckets: frozenset[int] | None,

@@ -53,7 +53,8 @@ from bagstore.backends.changesql import clear_bucket_changes
 from bagstore.backends.indexsql import IndexRow
 from bagstore.backends.pool import long_statements
 from bagstore.catalog import IndexCatalog
-from bagstore.changes import prepare_feeds, sync_bucket_changes
+from bagstore.changecopy import sync_bucket_changes
+from bagstore.changes import prepare_feeds
 from bagstore.errors import ConfigurationError
 from bagstore.index import Index
 from bagstore.throttle import Throttle, check_pacing, check_seconds

@@ -34,10 +34,17 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
-from bagstore.backends.changesql import checkpoint_and_renew, renew_leases
+from bagstore.backends.consumersql import (
+    checkpoint_and_renew,
+    checkpoint_ranges,
+    renew_leases,
+)
 from bagstore.changes import Feed
 from bagstore.errors import ConfigurationError, InvalidQuery
 from bagstore.feedpage import Change, decode_positions, encode_positions
@@ -54,6 +61,7 @@ CONSUMERS, RANGE_ROWS, MEMBERS = (
     "bagstore_consumer_members",
 )
 Handler = Callable[[list[Change]], Any]
+_BUCKET = itemgetter(0)
 
 
 def _now() -> int:
@@ -104,8 +112,9 @@ def _known(feed: Feed, name: str) -> tuple[str, int]:
 
 class Subscriber:
     """A process of the named consumer ``name`` of ``feed``'s kind, calling
-    ``handler(changes)`` with batches of at most ``batch`` changes (one bucket
-    range's, in order)."""
+    ``handler(changes)`` with batches of at most ``batch`` changes, in order
+    (on MariaDB one bucket range's; on SQLite, whose feed is in commit order,
+    of any of the ranges it holds, read together)."""
 
     def __init__(
         self,
@@ -152,6 +161,12 @@ class Subscriber:
                 [(name, r, _stored(epoch, start[r]), "", 0, 0) for r in range(self.ranges)],
             )
         self.buckets = buckets
+        #: bucket -> its range
+        self._range_of = [
+            no for no in range(self.ranges) for _ in range_buckets(buckets, self.ranges, no)
+        ]
+        #: the ranges last read together, and their buckets
+        self._union: tuple[tuple[int, ...], frozenset[int]] | None = None
         #: range -> positions, of the ranges this process holds
         self.held: dict[int, dict[int, int]] = {}
         #: range -> the feed's epoch its positions were read in
@@ -235,35 +250,27 @@ class Subscriber:
 
     # -- work ----------------------------------------------------------------------
     def poll(self) -> int:
-        """One round: balance the leases, then one batch of each range held
-        (handled, then checkpointed).  Returns the changes handled.  A handler's
-        exception propagates; its batch's position is not advanced."""
+        """One round: balance the leases, then the next changes of each range
+        held, in batches (each handled, then checkpointed).  Returns the
+        changes handled.  A handler's exception propagates; its batch's
+        position is not advanced."""
         self._in_handler = False
         self.balance()
-        handled = 0
+        if self.held and self.feed.in_commit_order():
+            return self._poll_together()
         # every bucket's positions read once for all the ranges held (one
         # statement, not one a range: ~2 ms each on MariaDB)
-        ends = self.feed.holders(polled=True) if self.held else None
+        batches = self._read_ranges(self.feed.holders(polled=True) if self.held else None)
+        handled = 0
         # A batch handled and not checkpointed yet: its checkpoint goes with
         # the next batch's lease renewal, one commit (not two) a batch.
         done: tuple[int, dict[int, int]] | None = None
         try:
-            for no in sorted(self.held):
-                positions = self.held[no]
-                self.feed.check_epoch(self.epochs[no], f"consumer {self.name!r}")
-                changes, after = self.feed.read(
-                    positions,
-                    self.batch,
-                    range_buckets(self.buckets, self.ranges, no),
-                    who=self.name,
-                    ends=ends,
-                )
-                if not changes:
-                    continue
+            for no, changes, after in batches:
                 renewed = self._checkpoint(done, renew=no)
                 done = None
                 if not renewed:
-                    del self.held[no]
+                    self.held.pop(no, None)
                     continue
                 self._in_handler = True
                 self.handler(changes)
@@ -279,6 +286,107 @@ class Subscriber:
             raise
         self._checkpoint(done)
         return handled
+
+    def _read_ranges(self, ends: Any) -> Iterator[tuple[int, list[Change], dict[int, int]]]:
+        """One batch of each range held, read a range at a time (``ends``: the
+        buckets' positions, read once for all of them)."""
+        for no in sorted(self.held):
+            if no not in self.held:
+                continue  # lost meanwhile
+            self.feed.check_epoch(self.epochs[no], f"consumer {self.name!r}")
+            changes, after = self.feed.read(
+                self.held[no],
+                self.batch,
+                range_buckets(self.buckets, self.ranges, no),
+                who=self.name,
+                ends=ends,
+            )
+            if changes:
+                yield no, changes, after
+
+    def _poll_together(self) -> int:
+        """:meth:`poll` of a feed in commit order (SQLite): the ranges held read
+        as one (each shard's rows read once for them all, not once a range),
+        a batch at a time in the feed's order, at most one a range held; each
+        batch's ranges' leases renewed before it is handled (its changes of
+        a range lost meanwhile dropped: delivered again to the range's new
+        holder) and their checkpoints written with the next batch's renewal,
+        one statement a batch."""
+        handled = 0
+        done: dict[int, dict[int, int]] = {}  # handled, not checkpointed yet
+        try:
+            for _ in range(len(self.held)):
+                if not self.held:
+                    break
+                held = sorted(self.held)
+                positions: dict[int, int] = {}
+                for no in held:
+                    self.feed.check_epoch(self.epochs[no], f"consumer {self.name!r}")
+                    positions.update(done.get(no, self.held[no]))
+                buckets = self._buckets_of(tuple(held))
+                changes, after = self.feed.read(positions, self.batch, buckets, who=self.name)
+                if not changes:
+                    break
+                of = self._range_of
+                touched = sorted(set(map(of.__getitem__, set(map(_BUCKET, changes)))))
+                kept = self._checkpoints(done, renew=touched)
+                done = {}
+                if len(kept) < len(touched):  # (lost meanwhile: its changes not handled)
+                    changes = [c for c in changes if of[c[0]] in kept]
+                    if not changes:
+                        continue
+                self._in_handler = True
+                self.handler(changes)
+                self._in_handler = False
+                handled += len(changes)
+                # each range's positions: a slice of those after (in bucket order)
+                items, keys = list(after.items()), list(after)
+                for no in kept:
+                    rng = range_buckets(self.buckets, self.ranges, no)
+                    at = bisect_left(keys, rng.start)
+                    done[no] = dict(items[at : bisect_left(keys, rng.stop, at)])
+                if len(changes) < self.batch:
+                    break  # read to the positions the feed knows
+        except BaseException:
+            if done:  # (a later read failed)
+                try:
+                    self._checkpoints(done)
+                except Exception:
+                    log.warning("consumer %s: a checkpoint failed", self.name, exc_info=True)
+            raise
+        self._checkpoints(done)
+        return handled
+
+    def _buckets_of(self, held: tuple[int, ...]) -> frozenset[int]:
+        """The buckets of ranges ``held`` (the last set asked, kept)."""
+        if self._union is None or self._union[0] != held:
+            rngs = (range_buckets(self.buckets, self.ranges, no) for no in held)
+            self._union = (held, frozenset(chain.from_iterable(rngs)))
+        return self._union[1]
+
+    def _checkpoints(self, done: dict[int, dict[int, int]], renew: Sequence[int] = ()) -> set[int]:
+        """Write the checkpoints ``done`` (ranges and their positions after
+        the batch handled) and renew the leases of those ranges and of
+        ``renew``, in one statement, of the ranges this process still holds;
+        a range whose lease was lost meanwhile is given up (a batch not
+        checkpointed is delivered again).  The ranges of ``renew`` still held."""
+        if not done and not renew:
+            return set()
+        now = _now()
+        # stamped with the epoch each range was read in, not the feed's now
+        texts = {no: _stored(self.epochs[no], after) for no, after in done.items()}
+        asked = set(done) | set(renew)
+        written = checkpoint_ranges(
+            self.catalog, self.name, self.member, texts, now, renew, now + self.lease_us
+        )
+        held = asked if written == len(asked) else self._owned() & asked
+        for no in asked - held:
+            if no in done:
+                log.warning("consumer %s lost range %d before its checkpoint", self.name, no)
+            self.held.pop(no, None)
+        for no in held & set(done):
+            self.held[no] = done[no]
+        return held & set(renew)
 
     def _checkpoint(
         self, done: tuple[int, dict[int, int]] | None, renew: int | None = None

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
+from bagstore.backends import changeseq
 from bagstore.backends.changerange import (
     CHANGES,
     ranges_together,
@@ -61,10 +62,8 @@ __all__ = [
     "bucket_change_rows",
     "bucket_change_tops",
     "bucket_positions",
-    "checkpoint_and_renew",
     "clear_bucket_changes",
     "copy_change_rows",
-    "create_feed_catalog",
     "ensure_change_tables",
     "first_updated",
     "has_triggers",
@@ -73,7 +72,6 @@ __all__ = [
     "prune",
     "ranges_together",
     "read_ranges",
-    "renew_leases",
     "rows_per_range",
     "set_positions",
     "set_triggers",
@@ -124,12 +122,18 @@ def _body_type(d: Dialect) -> str:
 
 
 def _tables_sql(d: Dialect) -> list[str]:
+    if not _mysql(d):  # kept in commit order (bagstore.backends.changeseq)
+        changes = changeseq.tables_sql()
+    else:
+        changes = [
+            f"CREATE TABLE IF NOT EXISTS {CHANGES} (kind VARCHAR(64) NOT NULL, "
+            "bucket INTEGER NOT NULL, pos BIGINT NOT NULL, "
+            f"id {d.id_type} NOT NULL, op INTEGER NOT NULL, version BIGINT NOT NULL, "
+            f"updated BIGINT NOT NULL, body {_body_type(d)} NULL, "
+            f"PRIMARY KEY (kind, bucket, pos)){_suffix(d)}",
+        ]
     return [
-        f"CREATE TABLE IF NOT EXISTS {CHANGES} (kind VARCHAR(64) NOT NULL, "
-        "bucket INTEGER NOT NULL, pos BIGINT NOT NULL, "
-        f"id {d.id_type} NOT NULL, op INTEGER NOT NULL, version BIGINT NOT NULL, "
-        f"updated BIGINT NOT NULL, body {_body_type(d)} NULL, "
-        f"PRIMARY KEY (kind, bucket, pos)){_no_rowid(d)}{_suffix(d)}",
+        *changes,
         f"CREATE TABLE IF NOT EXISTS {POSITIONS} (kind VARCHAR(64) NOT NULL, "
         "bucket INTEGER NOT NULL, pos BIGINT NOT NULL, pruned BIGINT NOT NULL, "
         f"PRIMARY KEY (kind, bucket)){_no_rowid(d)}{_suffix(d)}",
@@ -138,67 +142,11 @@ def _tables_sql(d: Dialect) -> list[str]:
     ]
 
 
-def create_feed_catalog(backend: Backend) -> None:
-    """The catalog's feed tables: each kind's feed settings, each named
-    consumer, its bucket ranges (positions and leases) and its live processes."""
-    d = backend.dialect
-    s = _suffix(d)
-    text = "MEDIUMTEXT" if _mysql(d) else "TEXT"
-    backend._executescript(
-        [
-            "CREATE TABLE IF NOT EXISTS bagstore_feeds (kind VARCHAR(64) NOT NULL PRIMARY KEY, "
-            "bodies INTEGER NOT NULL, max_age BIGINT NOT NULL, max_changes BIGINT NOT NULL)" + s,
-            "CREATE TABLE IF NOT EXISTS bagstore_consumers (name VARCHAR(64) NOT NULL "
-            "PRIMARY KEY, kind VARCHAR(64) NOT NULL, ranges INTEGER NOT NULL, "
-            "created BIGINT NOT NULL)" + s,
-            "CREATE TABLE IF NOT EXISTS bagstore_consumer_ranges (name VARCHAR(64) NOT NULL, "
-            f"range_no INTEGER NOT NULL, positions {text} NOT NULL, owner VARCHAR(64) NOT NULL, "
-            "lease_until BIGINT NOT NULL, checkpointed BIGINT NOT NULL, "
-            "PRIMARY KEY (name, range_no))" + s,
-            "CREATE TABLE IF NOT EXISTS bagstore_consumer_members (name VARCHAR(64) NOT NULL, "
-            "member VARCHAR(64) NOT NULL, seen BIGINT NOT NULL, PRIMARY KEY (name, member))" + s,
-        ]
-    )
-
-
-def renew_leases(
-    catalog: Backend, name: str, member: str, ranges: Sequence[int], until: int
-) -> int:
-    """Move the leases of consumer ``name``'s ``ranges`` that ``member``
-    holds on to ``until`` (µs), one statement; the number renewed."""
-    p = catalog.dialect.param
-    return catalog.execute(
-        f"UPDATE bagstore_consumer_ranges SET lease_until = {p} WHERE name = {p} "
-        f"AND owner = {p} AND range_no IN ({', '.join([p] * len(ranges))})",
-        [until, name, member, *ranges],
-    )
-
-
-def checkpoint_and_renew(
-    catalog: Backend,
-    name: str,
-    member: str,
-    done: tuple[int, str, int],
-    renew: int,
-    until: int,
-) -> int:
-    """One statement: of consumer ``name``'s ranges that ``member`` holds, the
-    checkpoint of ``done`` (``(range, positions text, checkpointed µs)``)
-    and the leases of that range and of ``renew`` moved on to ``until`` (µs);
-    the number of rows written (2 unless a lease was lost)."""
-    p = catalog.dialect.param
-    no, positions, at = done
-    return catalog.execute(
-        "UPDATE bagstore_consumer_ranges SET "
-        f"positions = CASE WHEN range_no = {p} THEN {p} ELSE positions END, "
-        f"checkpointed = CASE WHEN range_no = {p} THEN {p} ELSE checkpointed END, "
-        f"lease_until = {p} WHERE name = {p} AND owner = {p} AND range_no IN ({p}, {p})",
-        [no, positions, no, at, until, name, member, no, renew],
-    )
-
-
 def ensure_change_tables(backend: Backend) -> None:
-    """The change tables on one shard (created when missing)."""
+    """The change tables on one shard (created when missing; on SQLite, a
+    store's made before they were kept in commit order converted)."""
+    if not _mysql(backend.dialect):
+        changeseq.convert(backend)
     backend._executescript(_tables_sql(backend.dialect))
 
 
@@ -223,6 +171,9 @@ def _record(d: Dialect, kind: str, row: str, op: int, body: str) -> str:
         )
         now = "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)"
     updated = f"{row}.updated" if op == PUT else now
+    if not _mysql(d):
+        values = f"{row}.id, {op}, {row}.version, {updated}, {body}"
+        return f"{bump}; {changeseq.record_sql(k, f'{row}.bucket', values, POSITIONS)}"
     insert = (
         f"INSERT INTO {CHANGES} ({_COLUMNS}) SELECT {k}, {row}.bucket, pos, {row}.id, {op}, "
         f"{row}.version, {updated}, {body} FROM {POSITIONS} "
@@ -231,7 +182,7 @@ def _record(d: Dialect, kind: str, row: str, op: int, body: str) -> str:
     return f"{bump}; {insert};"
 
 
-def _triggers_sql(d: Dialect, kind: str, bodies: bool) -> list[str]:
+def triggers_sql(d: Dialect, kind: str, bodies: bool) -> list[str]:
     t = d.q(kind)
     ins, upd, dele = _trigger_names(kind)
     k = _literal(kind)
@@ -269,10 +220,12 @@ def set_triggers(backend: Backend, kind: str, *, on: bool, bodies: bool = False)
         ensure_change_tables(backend)
         backend.ensure_kind(kind)
     if _mysql(d):
-        statements = _triggers_sql(d, kind, bodies) if on else drops
+        statements = triggers_sql(d, kind, bodies) if on else drops
         backend._executescript(statements)
         return
-    statements = drops + (_triggers_sql(d, kind, bodies) if on else [])
+    statements = drops + (triggers_sql(d, kind, bodies) if on else [])
+    if on:  # the kind's counter (bagstore.backends.changeseq)
+        statements.append(changeseq.ensure_counter_sql(_literal(kind)))
 
     def work(conn: Any) -> None:
         with backend.transaction(conn) as cur:  # SQLite's DDL is transactional
@@ -485,8 +438,11 @@ def bucket_change_rows(
 
 
 def copy_change_rows(backend: Backend, rows: Sequence[ChangeRow]) -> None:
-    """Insert change rows exactly as read elsewhere (rows present are kept)."""
-    if rows:
+    """Insert one kind's change rows as read elsewhere, in position order
+    (rows present are kept; on SQLite numbered after every row here)."""
+    if rows and not _mysql(backend.dialect):
+        changeseq.copy_rows(backend, rows[0].kind, rows)
+    elif rows:
         backend.insert_ignore(CHANGES, _COLUMNS.split(", "), [tuple(r) for r in rows])
 
 

@@ -1,0 +1,116 @@
+"""SQL of a change feed's catalog tables: each kind's feed settings, each
+named consumer, its bucket ranges (positions and leases) and its live
+processes (:mod:`bagstore.subscriber`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bagstore.backends.base import Backend, Dialect
+
+__all__ = ["checkpoint_and_renew", "checkpoint_ranges", "create_feed_catalog", "renew_leases"]
+
+
+def _mysql(d: Dialect) -> bool:
+    return d.name == "mysql"
+
+
+def _suffix(d: Dialect) -> str:
+    return " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin" if _mysql(d) else ""
+
+
+def create_feed_catalog(backend: Backend) -> None:
+    """The catalog's feed tables: each kind's feed settings, each named
+    consumer, its bucket ranges (positions and leases) and its live processes."""
+    d = backend.dialect
+    s = _suffix(d)
+    text = "MEDIUMTEXT" if _mysql(d) else "TEXT"
+    backend._executescript(
+        [
+            "CREATE TABLE IF NOT EXISTS bagstore_feeds (kind VARCHAR(64) NOT NULL PRIMARY KEY, "
+            "bodies INTEGER NOT NULL, max_age BIGINT NOT NULL, max_changes BIGINT NOT NULL)" + s,
+            "CREATE TABLE IF NOT EXISTS bagstore_consumers (name VARCHAR(64) NOT NULL "
+            "PRIMARY KEY, kind VARCHAR(64) NOT NULL, ranges INTEGER NOT NULL, "
+            "created BIGINT NOT NULL)" + s,
+            "CREATE TABLE IF NOT EXISTS bagstore_consumer_ranges (name VARCHAR(64) NOT NULL, "
+            f"range_no INTEGER NOT NULL, positions {text} NOT NULL, owner VARCHAR(64) NOT NULL, "
+            "lease_until BIGINT NOT NULL, checkpointed BIGINT NOT NULL, "
+            "PRIMARY KEY (name, range_no))" + s,
+            "CREATE TABLE IF NOT EXISTS bagstore_consumer_members (name VARCHAR(64) NOT NULL, "
+            "member VARCHAR(64) NOT NULL, seen BIGINT NOT NULL, PRIMARY KEY (name, member))" + s,
+        ]
+    )
+
+
+def renew_leases(
+    catalog: Backend, name: str, member: str, ranges: Sequence[int], until: int
+) -> int:
+    """Move the leases of consumer ``name``'s ``ranges`` that ``member``
+    holds on to ``until`` (µs), one statement; the number renewed."""
+    p = catalog.dialect.param
+    return catalog.execute(
+        f"UPDATE bagstore_consumer_ranges SET lease_until = {p} WHERE name = {p} "
+        f"AND owner = {p} AND range_no IN ({', '.join([p] * len(ranges))})",
+        [until, name, member, *ranges],
+    )
+
+
+def checkpoint_and_renew(
+    catalog: Backend,
+    name: str,
+    member: str,
+    done: tuple[int, str, int],
+    renew: int,
+    until: int,
+) -> int:
+    """One statement: of consumer ``name``'s ranges that ``member`` holds, the
+    checkpoint of ``done`` (``(range, positions text, checkpointed µs)``)
+    and the leases of that range and of ``renew`` moved on to ``until`` (µs);
+    the number of rows written (2 unless a lease was lost)."""
+    p = catalog.dialect.param
+    no, positions, at = done
+    return catalog.execute(
+        "UPDATE bagstore_consumer_ranges SET "
+        f"positions = CASE WHEN range_no = {p} THEN {p} ELSE positions END, "
+        f"checkpointed = CASE WHEN range_no = {p} THEN {p} ELSE checkpointed END, "
+        f"lease_until = {p} WHERE name = {p} AND owner = {p} AND range_no IN ({p}, {p})",
+        [no, positions, no, at, until, name, member, no, renew],
+    )
+
+
+def checkpoint_ranges(
+    catalog: Backend,
+    name: str,
+    member: str,
+    done: dict[int, str],
+    at: int,
+    renew: Sequence[int],
+    until: int,
+) -> int:
+    """One statement: of consumer ``name``'s ranges that ``member`` holds, the
+    checkpoints ``done`` (``{range: positions text}``, checkpointed at ``at``
+    µs) and the leases of those ranges and of ``renew`` moved on to
+    ``until`` (µs); the number of rows written (fewer when a lease was lost)."""
+    p = catalog.dialect.param
+    ranges = sorted(set(done) | set(renew))
+    params: list[Any] = []
+    texts = " ".join(f"WHEN {p} THEN {p}" for _ in done)
+    for no, text in done.items():
+        params += [no, text]
+    sets = [f"lease_until = {p}"]
+    if done:
+        sets = [
+            f"positions = CASE range_no {texts} ELSE positions END",
+            f"checkpointed = CASE WHEN range_no IN ({', '.join([p] * len(done))}) "
+            f"THEN {p} ELSE checkpointed END",
+            *sets,
+        ]
+        params += [*done, at]
+    params += [until, name, member, *ranges]
+    return catalog.execute(
+        f"UPDATE bagstore_consumer_ranges SET {', '.join(sets)} WHERE name = {p} "
+        f"AND owner = {p} AND range_no IN ({', '.join([p] * len(ranges))})",
+        params,
+    )
