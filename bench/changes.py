@@ -45,15 +45,19 @@ Metrics (each backend; four shards, 64 buckets unless said):
   ``.entity`` read: what a merged read that hands out an object a change
   costs without bagstore's bookkeeping (cursors, sessions, memory bound).
   Reported.
-- ``changes read, raw in commit order`` (SQLite): the change rows of each
-  shard copied into a table keyed by a shard-wide sequence in the order they
-  committed (one writer made them: by time), read one range a shard by that
-  sequence, the shards merged by time by hand (a row is handed out once
-  every shard not read to its end has been read up to its time), each page
-  made ``Change`` objects with each ``.entity`` read and the buckets'
-  positions updated from its rows, beside the raw read by position: what a
-  read costs whose rows come out of a shard in commit order, with no merge
-  of its buckets (bagstore stores a shard's changes by bucket).  Reported.
+- ``changes read, raw in commit order`` (SQLite, whose change table is
+  stored by a shard-wide number in commit order): each shard's rows read by
+  that number, 1,000 a statement, the shards merged by time by hand (a row
+  is handed out once every shard not read to its end has been read up to
+  its time), each page made ``Change`` objects with each ``.entity`` read
+  and the buckets' positions updated from its rows, beside the raw read by
+  the table's key: what a read in commit order costs without bagstore's
+  bookkeeping (cursor, memory bound, checks).  Reported.
+- ``... vs raw by the table's key`` (SQLite): bagstore's pages and a
+  consumer's batches of 1,000 beside raw reading each shard's rows in the
+  order the table keeps them (its primary key), 1,000 a statement, each body
+  decoded: on SQLite the fastest raw read of the same rows (by position, it
+  goes through the index of (kind, bucket, position)).  Goal: >= 0.8x.
 - ``a consumer's polls``: a named consumer (``ds.subscribe``, a new one each
   round, from the oldest change; batches of 1,000, every body decoded by
   its handler) polled until it has handled the 20,000 changes, its set-up
@@ -122,7 +126,7 @@ _LAYOUT = changerange._PACKED
 BUCKETS = 64
 RAW = "entities"
 #: the change rows copied in commit order (the sequence read's table)
-_SEQ_TABLE = "raw_seq_changes"
+_CHANGES = "bagstore_changes"
 _TIME = itemgetter(5)
 
 
@@ -144,24 +148,36 @@ class RawFeed:
         p, tag = d.param, "b" if bodies else "i"
         self.changes, self.positions = f"raw_changes_{tag}", f"raw_positions_{tag}"
         blob = "MEDIUMBLOB" if self.mysql else "BLOB"
+        # SQLite: as bagstore keeps them, in commit order: a kind's counter
+        # advanced and the row keyed by it, a unique index by bucket and position
+        seq, counter = ("", "") if self.mysql else ("seq INTEGER NOT NULL, ", f"raw_seq_{tag}")
+        key = "kind, bucket, pos" if self.mysql else "kind, seq"
         for sql in [
             *(d.create_entities_sql(RAW) if bodies else []),
-            f"CREATE TABLE {self.changes} (kind VARCHAR(64) NOT NULL, bucket INTEGER NOT NULL, "
-            f"pos BIGINT NOT NULL, id {d.id_type} NOT NULL, op INTEGER NOT NULL, "
-            f"version BIGINT NOT NULL, updated BIGINT NOT NULL, body {blob} NULL, "
-            "PRIMARY KEY (kind, bucket, pos))",
+            f"CREATE TABLE {self.changes} (kind VARCHAR(64) NOT NULL, {seq}"
+            f"bucket INTEGER NOT NULL, pos BIGINT NOT NULL, id {d.id_type} NOT NULL, "
+            f"op INTEGER NOT NULL, version BIGINT NOT NULL, updated BIGINT NOT NULL, "
+            f"body {blob} NULL, PRIMARY KEY ({key})){'' if self.mysql else ' WITHOUT ROWID'}",
             f"CREATE TABLE {self.positions} (kind VARCHAR(64) NOT NULL, bucket INTEGER NOT NULL, "
             "pos BIGINT NOT NULL, pruned BIGINT NOT NULL, PRIMARY KEY (kind, bucket))",
-        ]:
+            *([] if self.mysql else [
+                f"CREATE UNIQUE INDEX {self.changes}_at ON {self.changes} (kind, bucket, pos)",
+                f"CREATE TABLE {counter} (kind VARCHAR(64) NOT NULL PRIMARY KEY, "
+                "seq BIGINT NOT NULL) WITHOUT ROWID",
+                f"INSERT INTO {counter} VALUES ('k', 0)",
+            ]),
+        ]:  # fmt: skip
             self.cur.execute(sql)
         for b in range(BUCKETS):
             self.cur.execute(f"INSERT INTO {self.positions} VALUES ('k', {b}, 0, 0)")
         self.upsert = d.upsert_entities_sql(RAW, 1)
         self.bump = f"UPDATE {self.positions} SET pos = pos + 1 WHERE kind = 'k' AND bucket = {p}"
+        self.count = f"UPDATE {counter} SET seq = seq + 1 WHERE kind = 'k'"
+        number = "" if self.mysql else f"(SELECT seq FROM {counter} WHERE kind = 'k'), "
         self.record = (
-            f"INSERT INTO {self.changes} (kind, bucket, pos, id, op, version, updated, body) "
-            f"SELECT kind, bucket, pos, {p}, 0, 1, {p}, {p} FROM {self.positions} "
-            f"WHERE kind = 'k' AND bucket = {p}"
+            f"INSERT INTO {self.changes} (kind, {seq.split()[0] + ', ' if seq else ''}bucket, pos, "
+            f"id, op, version, updated, body) SELECT kind, {number}bucket, pos, {p}, 0, 1, {p}, "
+            f"{p} FROM {self.positions} WHERE kind = 'k' AND bucket = {p}"
         )
         self.together = f"BEGIN; {self.upsert}; {self.bump}; {self.record}; COMMIT"
 
@@ -182,6 +198,7 @@ class RawFeed:
         self.cur.execute("BEGIN IMMEDIATE")
         self.cur.execute(self.upsert, (eid, bucket, now, body))
         self.cur.execute(self.bump, (bucket,))
+        self.cur.execute(self.count)
         self.cur.execute(self.record, record)
         self.cur.execute("COMMIT")
 
@@ -314,6 +331,25 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         assert n == total, (n, total)
         return n / (time.perf_counter() - t0)
 
+    def raw_by_sequence() -> float:
+        # SQLite: each shard's rows in the table's own order (its primary
+        # key, commit order), 1,000 a statement, each body decoded
+        text = (f"SELECT bucket, pos, id, op, version, updated, body, seq FROM {_CHANGES} "
+                "WHERE kind = ? AND seq > ? ORDER BY seq LIMIT 1000")  # fmt: skip
+        n, t0 = 0, time.perf_counter()
+        for conn in conns:
+            seq = 0
+            while True:
+                got = conn.execute(text, ("readme", seq)).fetchall()
+                for r in got:
+                    codec.decode(r[6])
+                n += len(got)
+                if len(got) < 1000:
+                    break
+                seq = got[-1][7]
+        assert n == total, (n, total)
+        return n / (time.perf_counter() - t0)
+
     def raw_merged(changes: bool = False) -> float:
         # The least a read merged by time can cost: every row held at once
         # and sorted by time (stable sorts: bucket, then position, within a
@@ -333,26 +369,13 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         assert len(rows) == total, (len(rows), total)
         return total / (time.perf_counter() - t0)
 
-    if sqlite:
-        # What a read in commit order costs when a shard's change rows are
-        # stored in that order: each shard's rows copied into a table keyed
-        # by a shard-wide sequence (numbered by time, bucket and position:
-        # one writer made them, so that is the order they committed in).
-        for conn in conns:
-            conn.execute(f"CREATE TABLE {_SEQ_TABLE} (seq INTEGER PRIMARY KEY, kind TEXT, "
-                         "bucket INTEGER, pos INTEGER, id BLOB, op INTEGER, version INTEGER, "
-                         "updated INTEGER, body BLOB)")  # fmt: skip
-            conn.execute(f"INSERT INTO {_SEQ_TABLE} SELECT NULL, kind, bucket, pos, id, op, "
-                         "version, updated, body FROM bagstore_changes WHERE kind = ? "
-                         "ORDER BY updated, bucket, pos", ["readme"])  # fmt: skip
-
     def raw_sequence() -> float:
         # One range a shard by its sequence, 1,000 rows a statement; the
         # shards merged by time by hand (a row is handed out once every shard
         # not read to its end has been read to its time at least), each page
         # made bagstore's `Change`s with each `.entity` read and the buckets'
         # positions (what a cursor holds) updated from its rows.
-        text = (f"SELECT bucket, pos, id, op, version, updated, body, seq FROM {_SEQ_TABLE} "
+        text = (f"SELECT bucket, pos, id, op, version, updated, body, seq FROM {_CHANGES} "
                 "WHERE kind = ? AND seq > ? ORDER BY seq LIMIT 1000")  # fmt: skip
         seqs, reached, held = [0] * len(conns), [0.0] * len(conns), []
         positions: dict[int, int] = {}
@@ -401,6 +424,7 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         sides["packed"] = lambda: raw_all(packed=True)
     else:
         sides["sequence"] = raw_sequence
+        sides["rawseq"] = raw_by_sequence
     r = alternate(sides, rounds)
     for conn in conns:
         conn.close()
@@ -422,11 +446,15 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
                goal="report"),
     ]  # fmt: skip
     if sqlite:
-        rows.append(
-            paired(f"{backend}: changes read, raw in commit order (a shard-wide sequence) "
-                   f"making a Change a row vs raw by position ({buckets:,} buckets)",
-                   r["sequence"], r["raw"], goal="report")
-        )  # fmt: skip
+        rows += [
+            paired(f"{backend}: changes read (pages of 1,000, bodies, {buckets:,} buckets) vs raw "
+                   "by the table's key (commit order)", r["bag"], r["rawseq"], goal=0.8),
+            paired(f"{backend}: a consumer's polls (batches of 1,000) vs raw by the table's key "
+                   f"({buckets:,} buckets)", r["consumer"], r["rawseq"], goal=0.8),
+            paired(f"{backend}: changes read, raw in commit order merging the shards by time "
+                   f"by hand, a Change a row, vs raw by the table's key ({buckets:,} buckets)",
+                   r["sequence"], r["rawseq"], goal="report"),
+        ]  # fmt: skip
     if backend == "mysql":
         rows.append(
             paired(f"{backend}: changes read vs raw by position asking the columns packed "
