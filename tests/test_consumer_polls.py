@@ -149,9 +149,11 @@ def test_a_batch_is_checkpointed_with_the_next_batch_s_lease_one_write_a_batch(
     topo: Topology,
 ) -> None:
     """A poll writes each batch's checkpoint in the statement that renews the
-    next batch's lease: one write of the ranges' rows a batch (and one
-    more), not two; afterwards every range's checkpoint is where the poll
-    left it, and a new process of the consumer has nothing left to handle."""
+    next batch's lease (SQLite, its ranges read together: each batch renews
+    its ranges' leases, and the poll, within a second, checkpoints them at
+    its end): one write of the ranges' rows a batch (and one more), not two;
+    afterwards every range's checkpoint is where the poll left it, and a
+    new process of the consumer has nothing left to handle."""
     ds = topo.open(buckets=64)
     ds.feed.enable()
     ids = set(ds.put_many([{"n": i} for i in range(300)]))

@@ -108,7 +108,7 @@ class Stream:
             self.epoch == epoch
             and self.buckets == buckets
             and (self.oldest or not oldest)
-            and positions == self.after
+            and (positions is self.after or positions == self.after)
         )
 
     def held_rows(self) -> int:

@@ -55,6 +55,10 @@ __all__ = ["Subscriber", "consumer_lags", "drop_consumer", "reset_consumer"]
 log = logging.getLogger(__name__)
 
 RANGES = 16
+#: SQLite (ranges read together): seconds between a poll's checkpoints of
+#: the ranges it handled (and at its end); a batch's leases are renewed
+#: before it is handled whatever
+CHECKPOINT_EVERY = 1.0
 CONSUMERS, RANGE_ROWS, MEMBERS = (
     "bagstore_consumers",
     "bagstore_consumer_ranges",
@@ -308,54 +312,77 @@ class Subscriber:
         """:meth:`poll` of a feed in commit order (SQLite): the ranges held read
         as one (each shard's rows read once for them all, not once a range),
         a batch at a time in the feed's order, at most one a range held; each
-        batch's ranges' leases renewed before it is handled (its changes of
-        a range lost meanwhile dropped: delivered again to the range's new
-        holder) and their checkpoints written with the next batch's renewal,
-        one statement a batch."""
+        batch's ranges' leases renewed before it is handled (one statement;
+        its changes of a range lost meanwhile dropped: delivered again to the
+        range's new holder).  The ranges handled are checkpointed with a
+        batch's renewal once :data:`CHECKPOINT_EVERY` seconds have passed
+        since the last checkpoint, and at the end of the poll: a batch spans
+        many ranges, and a range's positions are written whole."""
         handled = 0
-        done: dict[int, dict[int, int]] = {}  # handled, not checkpointed yet
+        pending: set[int] = set()  # ranges handled, not checkpointed yet
+        last: dict[int, int] = {}  # every range's positions after the last batch
+        written = time.monotonic()
+        of = self._range_of
         try:
             for _ in range(len(self.held)):
                 if not self.held:
                     break
-                held = sorted(self.held)
-                positions: dict[int, int] = {}
-                for no in held:
-                    self.feed.check_epoch(self.epochs[no], f"consumer {self.name!r}")
-                    positions.update(done.get(no, self.held[no]))
-                buckets = self._buckets_of(tuple(held))
-                changes, after = self.feed.read(positions, self.batch, buckets, who=self.name)
+                held = tuple(sorted(self.held))
+                for epoch in {self.epochs[no] for no in held}:
+                    self.feed.check_epoch(epoch, f"consumer {self.name!r}")
+                if not last:
+                    for no in held:
+                        last.update(self.held[no])
+                buckets = self._buckets_of(held)
+                changes, after = self.feed.read(last, self.batch, buckets, who=self.name)
                 if not changes:
                     break
-                of = self._range_of
                 touched = sorted(set(map(of.__getitem__, set(map(_BUCKET, changes)))))
-                kept = self._checkpoints(done, renew=touched)
-                done = {}
-                if len(kept) < len(touched):  # (lost meanwhile: its changes not handled)
+                if pending and time.monotonic() - written >= CHECKPOINT_EVERY:
+                    kept = self._checkpoints(self._slices(last, pending), renew=touched)
+                    pending, written = set(), time.monotonic()
+                else:
+                    kept = self._checkpoints({}, renew=touched)
+                if len(kept) < len(touched) or len(self.held) < len(held):
+                    # ranges lost meanwhile: their changes not handled, the
+                    # others' checkpointed now, the positions read afresh
+                    pending &= set(self.held)
+                    if pending:
+                        self._checkpoints(self._slices(last, pending))
+                        pending, written = set(), time.monotonic()
                     changes = [c for c in changes if of[c[0]] in kept]
+                    after = {b: p for b, p in after.items() if of[b] in self.held}
                     if not changes:
+                        last = {}
                         continue
                 self._in_handler = True
                 self.handler(changes)
                 self._in_handler = False
                 handled += len(changes)
-                # each range's positions: a slice of those after (in bucket order)
-                items, keys = list(after.items()), list(after)
-                for no in kept:
-                    rng = range_buckets(self.buckets, self.ranges, no)
-                    at = bisect_left(keys, rng.start)
-                    done[no] = dict(items[at : bisect_left(keys, rng.stop, at)])
+                pending |= set(kept)
+                last = after
                 if len(changes) < self.batch:
                     break  # read to the positions the feed knows
         except BaseException:
-            if done:  # (a later read failed)
+            if pending:  # (a later read failed)
                 try:
-                    self._checkpoints(done)
+                    self._checkpoints(self._slices(last, pending))
                 except Exception:
                     log.warning("consumer %s: a checkpoint failed", self.name, exc_info=True)
             raise
-        self._checkpoints(done)
+        if pending:
+            self._checkpoints(self._slices(last, pending))
         return handled
+
+    def _slices(self, positions: dict[int, int], ranges: set[int]) -> dict[int, dict[int, int]]:
+        """Each of ``ranges``' positions, from ``positions`` (in bucket order)."""
+        items, keys = list(positions.items()), list(positions)
+        out: dict[int, dict[int, int]] = {}
+        for no in ranges:
+            rng = range_buckets(self.buckets, self.ranges, no)
+            at = bisect_left(keys, rng.start)
+            out[no] = dict(items[at : bisect_left(keys, rng.stop, at)])
+        return out
 
     def _buckets_of(self, held: tuple[int, ...]) -> frozenset[int]:
         """The buckets of ranges ``held`` (the last set asked, kept)."""
