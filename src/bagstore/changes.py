@@ -6,7 +6,9 @@ statement as the entity (triggers, see :mod:`bagstore.backends.changesql`).
 Each bucket numbers its changes 1, 2, 3... in commit order; a cursor holds
 the last position read of every bucket, so it survives bucket moves and never
 skips a change.  A page merges the buckets (of every shard) by time, each
-bucket's changes in their order.
+bucket's changes in their order (on SQLite, whose shards keep their changes
+in commit order, each shard's changes in that order, the shards merged by
+time: :mod:`bagstore.feedstream`).
 
     >>> import bagstore, tempfile
     >>> ds = bagstore.open(tempfile.mkdtemp())
