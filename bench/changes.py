@@ -148,9 +148,9 @@ class RawFeed:
         p, tag = d.param, "b" if bodies else "i"
         self.changes, self.positions = f"raw_changes_{tag}", f"raw_positions_{tag}"
         blob = "MEDIUMBLOB" if self.mysql else "BLOB"
-        # SQLite: as bagstore keeps them, in commit order: a kind's counter
-        # advanced and the row keyed by it, a unique index by bucket and position
-        seq, counter = ("", "") if self.mysql else ("seq INTEGER NOT NULL, ", f"raw_seq_{tag}")
+        # SQLite: as bagstore keeps them, in commit order: the row keyed by one
+        # past the kind's highest number, a unique index by bucket and position
+        seq = "" if self.mysql else "seq INTEGER NOT NULL, "
         key = "kind, bucket, pos" if self.mysql else "kind, seq"
         for sql in [
             *(d.create_entities_sql(RAW) if bodies else []),
@@ -162,9 +162,6 @@ class RawFeed:
             "pos BIGINT NOT NULL, pruned BIGINT NOT NULL, PRIMARY KEY (kind, bucket))",
             *([] if self.mysql else [
                 f"CREATE UNIQUE INDEX {self.changes}_at ON {self.changes} (kind, bucket, pos)",
-                f"CREATE TABLE {counter} (kind VARCHAR(64) NOT NULL PRIMARY KEY, "
-                "seq BIGINT NOT NULL) WITHOUT ROWID",
-                f"INSERT INTO {counter} VALUES ('k', 0)",
             ]),
         ]:  # fmt: skip
             self.cur.execute(sql)
@@ -172,8 +169,11 @@ class RawFeed:
             self.cur.execute(f"INSERT INTO {self.positions} VALUES ('k', {b}, 0, 0)")
         self.upsert = d.upsert_entities_sql(RAW, 1)
         self.bump = f"UPDATE {self.positions} SET pos = pos + 1 WHERE kind = 'k' AND bucket = {p}"
-        self.count = f"UPDATE {counter} SET seq = seq + 1 WHERE kind = 'k'"
-        number = "" if self.mysql else f"(SELECT seq FROM {counter} WHERE kind = 'k'), "
+        number = (
+            ""
+            if self.mysql
+            else f"COALESCE((SELECT MAX(seq) FROM {self.changes} WHERE kind = 'k'), 0) + 1, "
+        )
         self.record = (
             f"INSERT INTO {self.changes} (kind, {seq.split()[0] + ', ' if seq else ''}bucket, pos, "
             f"id, op, version, updated, body) SELECT kind, {number}bucket, pos, {p}, 0, 1, {p}, "
@@ -198,7 +198,6 @@ class RawFeed:
         self.cur.execute("BEGIN IMMEDIATE")
         self.cur.execute(self.upsert, (eid, bucket, now, body))
         self.cur.execute(self.bump, (bucket,))
-        self.cur.execute(self.count)
         self.cur.execute(self.record, record)
         self.cur.execute("COMMIT")
 

@@ -465,6 +465,7 @@ def clear_bucket_changes(backend: Backend, bucket: int, step: int = 1000) -> int
         [bucket],
     )
     for kind, low, high in spans:
+        changeseq.raise_floor(backend, kind)
         for start in range(int(low), int(high) + 1, step):
             deleted += backend.execute(
                 f"DELETE FROM {CHANGES} WHERE kind = {p} AND bucket = {p} "
@@ -498,6 +499,7 @@ def prune(
         return 0, int(current[0][0]) if current else 0
     deleted = 0
     low = int(current[0][0])
+    changeseq.raise_floor(backend, kind)
     while low < upto:
         high = min(upto, low + batch)
         # Marked before the rows go: a reader that finds a row missing below
