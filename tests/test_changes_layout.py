@@ -40,7 +40,7 @@ def _as_before(path: Path) -> None:
         "FROM numbered"
     )
     conn.execute("DROP TABLE numbered")
-    conn.execute(f"DROP TABLE {changeseq.COUNTER}")
+    conn.execute(f"DROP TABLE {changeseq.FLOOR}")
     for _, text in triggers:
         old = text.replace("kind, seq, bucket", "kind, bucket")
         old = re.sub(r"MAX\(COALESCE\(\(SELECT MAX\(seq\).*?\) \+ 1, ", "", old)

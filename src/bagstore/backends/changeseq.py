@@ -1,7 +1,7 @@
 """SQLite: the change feed's rows kept in the order they committed.
 
 A SQLite shard is one file written by one transaction at a time, so a
-counter taken inside the write's transaction numbers its changes in commit
+number taken inside the write's transaction numbers its changes in commit
 order with no horizon to wait for.  ``bagstore_changes`` on SQLite is stored
 by that number: its primary key is ``(kind, seq)``, a change's ``seq`` one
 past the highest of its kind's rows and of its floor in
@@ -32,10 +32,10 @@ if TYPE_CHECKING:
     from bagstore.backends.base import Backend
 
 __all__ = [
-    "COUNTER",
+    "FLOOR",
     "convert",
     "copy_rows",
-    "ensure_counter_sql",
+    "ensure_floor_sql",
     "first_after",
     "raise_floor",
     "read_after",
@@ -48,7 +48,7 @@ __all__ = [
 log = logging.getLogger("bagstore.changes")
 
 CHANGES = "bagstore_changes"
-COUNTER = "bagstore_change_seq"
+FLOOR = "bagstore_change_seq"
 _INDEX = "bagstore_changes_at"
 _COLUMNS = "kind, seq, bucket, pos, id, op, version, updated, body"
 _TABLE = (
@@ -73,20 +73,20 @@ def sequenced(backend: Backend) -> bool:
 
 
 def tables_sql() -> list[str]:
-    """SQLite's change table, its index by bucket and the counters."""
+    """SQLite's change table, its index by bucket and the kinds' floors."""
     return [
         f"CREATE TABLE IF NOT EXISTS {CHANGES} {_TABLE}",
         f"CREATE UNIQUE INDEX IF NOT EXISTS {_INDEX} ON {CHANGES} (kind, bucket, pos)",
-        f"CREATE TABLE IF NOT EXISTS {COUNTER} (kind VARCHAR(64) NOT NULL PRIMARY KEY, "
+        f"CREATE TABLE IF NOT EXISTS {FLOOR} (kind VARCHAR(64) NOT NULL PRIMARY KEY, "
         "seq BIGINT NOT NULL) WITHOUT ROWID",
     ]
 
 
-def ensure_counter_sql(k: str) -> str:
-    """The counter row of kind literal ``k``, made when missing, at the
+def ensure_floor_sql(k: str) -> str:
+    """The floor row of kind literal ``k``, made when missing, at the
     highest number its rows hold."""
     return (
-        f"INSERT OR IGNORE INTO {COUNTER} (kind, seq) "
+        f"INSERT OR IGNORE INTO {FLOOR} (kind, seq) "
         f"SELECT {k}, COALESCE(MAX(seq), 0) FROM {CHANGES} WHERE kind = {k}"
     )
 
@@ -96,7 +96,7 @@ def _next(k: str) -> str:
     row's and its floor."""
     return (
         f"MAX(COALESCE((SELECT MAX(seq) FROM {CHANGES} WHERE kind = {k}), 0), "
-        f"COALESCE((SELECT seq FROM {COUNTER} WHERE kind = {k}), 0)) + 1"
+        f"COALESCE((SELECT seq FROM {FLOOR} WHERE kind = {k}), 0)) + 1"
     )
 
 
@@ -120,9 +120,9 @@ def raise_floor(backend: Backend, kind: str) -> None:
     that no later change takes the number of one deleted (a reader past it
     would not read it).  Every path that deletes change rows calls it."""
     if sequenced(backend):
-        backend.execute(ensure_counter_sql("?"), [kind, kind])
+        backend.execute(ensure_floor_sql("?"), [kind, kind])
         backend.execute(
-            f"UPDATE {COUNTER} SET seq = MAX(seq, COALESCE((SELECT MAX(seq) FROM {CHANGES} "
+            f"UPDATE {FLOOR} SET seq = MAX(seq, COALESCE((SELECT MAX(seq) FROM {CHANGES} "
             "WHERE kind = ?), 0)) WHERE kind = ?",
             [kind, kind],
         )
@@ -164,14 +164,14 @@ def convert(backend: Backend) -> bool:
             for sql in tables_sql():
                 cur.execute(sql)
             cur.execute(
-                f"INSERT OR REPLACE INTO {COUNTER} (kind, seq) "
+                f"INSERT OR REPLACE INTO {FLOOR} (kind, seq) "
                 f"SELECT kind, MAX(seq) FROM {CHANGES} GROUP BY kind"
             )
             for name, table, text in triggers:
                 if name.endswith("_i"):  # one set of three a kind
                     for sql in triggers_sql(backend.dialect, str(table), "NEW.body" in text):
                         cur.execute(sql)
-                    cur.execute(ensure_counter_sql("?"), [str(table), str(table)])
+                    cur.execute(ensure_floor_sql("?"), [str(table), str(table)])
             return int(moved)
 
     moved = backend.run(work)
