@@ -76,9 +76,8 @@ class Stream:
     #: positions after the last page returned (the cursor that goes on)
     after: dict[int, int]
     shards: int
-    #: of each bucket: (last position, last pruned, shard) as last read
-    ends: dict[int, tuple[int, int, int]] = field(default_factory=dict)
-    #: of each bucket: the last position read, and its shard (of ``ends``)
+    #: of each bucket: the last position read, and the shard holding it as
+    #: the buckets' positions last said
     read_to: dict[int, int] = field(default_factory=dict)
     shard_of: dict[int, int] = field(default_factory=dict)
     #: of each shard: the last number read, the running maximum of
@@ -139,7 +138,7 @@ def _begin(s: Stream, calls: tuple[Tops, Holders, Firsts, Pruned]) -> None:
         # each shard's last number first: a change committed after it is read
         # comes after it, whatever the positions read next say
         seqs = tops()
-        s.ends = ends = holders(None if s.buckets is None else set(s.buckets))
+        ends = holders(None if s.buckets is None else set(s.buckets))
         s.shard_of = dict(zip(ends, map(_SHARD, ends.values()), strict=True))
         if all(shard < len(seqs) for _, _, shard in ends.values()):
             break  # (else a shard joined in between: read both again)
@@ -255,7 +254,7 @@ def _fetch(
         times = list(accumulate(times, max, initial=s.times[shard]))
         del times[0]
     s.times[shard] = times[-1]
-    if _fast(s, shard, rows) is None:
+    if not _fast(s, shard, rows):
         mask = _slow(s, shard, rows, since, calls)
         if mask is None:
             return True
@@ -269,13 +268,13 @@ def _fetch(
     return False
 
 
-def _fast(s: Stream, shard: int, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]] | None:
-    """The rows, all kept, when each bucket's are the next positions of a
-    bucket this shard holds (the normal case), None when not; checked in C
-    loops, a bucket at a time.  A bucket's positions grow along a shard's
-    rows: when each bucket's first row is the one after the last read, its
-    rows are at most as many as its last is past that, and when those
-    counts add up to the rows, each bucket has no gap."""
+def _fast(s: Stream, shard: int, rows: list[tuple[Any, ...]]) -> bool:
+    """Whether the rows are all kept: each bucket's are the next positions of
+    a bucket this shard holds (the normal case; ``s.read_to`` moved on past
+    them); checked in C loops, a bucket at a time.  A bucket's positions
+    grow along a shard's rows: when each bucket's first row is the one after
+    the last read, its rows are at most as many as its last is past that,
+    and when those counts add up to the rows, each bucket has no gap."""
     buckets = list(map(_BUCKET, rows))
     positions = list(map(_POS, rows))
     last = dict(zip(buckets, positions, strict=True))
@@ -287,9 +286,9 @@ def _fast(s: Stream, shard: int, rows: list[tuple[Any, ...]]) -> list[tuple[Any,
         and all(map(eq, map(sub, map(first.__getitem__, seen), ats), repeat(1)))
         and sum(map(sub, map(last.__getitem__, seen), ats)) == len(rows)
     ):
-        return None
+        return False
     s.read_to.update(last)
-    return rows
+    return True
 
 
 def _slow(
@@ -305,9 +304,9 @@ def _slow(
     bucket moved here, or one it did not know has rows behind it).  Raises
     ChangesPruned, ChangesLost for a position missing."""
     _, holders, firsts, pruned = calls
-    ends, read_to, wanted = s.ends, s.read_to, s.buckets
+    shard_of, read_to, wanted = s.shard_of, s.read_to, s.buckets
     odd = {r[0] for r in rows if wanted is None or r[0] in wanted} - {
-        b for b, end in ends.items() if end[2] == shard
+        b for b, held_by in shard_of.items() if held_by == shard
     }
     if odd:
         fresh = holders(odd)
@@ -315,7 +314,7 @@ def _slow(
             now = fresh.get(b)
             if now is None or now[2] != shard:
                 continue  # a move's copies under way, or its rows held elsewhere
-            if b in ends:
+            if b in shard_of:
                 return None  # moved here: its rows here may lie behind the reader
             at = s.after.get(b, now[1] if s.oldest else 0)
             if at < now[1]:
@@ -323,14 +322,13 @@ def _slow(
             first = firsts(shard, [(b, at)])
             if first is not None and first <= since:
                 return None  # a bucket not known, with rows behind the reader
-            ends[b], read_to[b], s.shard_of[b] = now, at, shard
+            read_to[b], shard_of[b] = at, shard
     mask: list[bool] = []
     gaps: dict[int, int] = {}
     for r in rows:
         b, pos = r[0], r[1]
-        end = ends.get(b)
         at = read_to.get(b, 0)
-        if (wanted is not None and b not in wanted) or end is None or end[2] != shard:
+        if shard_of.get(b) != shard:  # (a bucket not read is not there)
             mask.append(False)
         elif pos <= at:
             mask.append(False)  # read already (rows after where the reader started)
@@ -362,19 +360,18 @@ def _moved(s: Stream, calls: tuple[Tops, Holders, Firsts, Pruned]) -> bool:
     read to its end; each pruned past is raised."""
     _, holders, firsts, pruned = calls
     fresh = holders(None if s.buckets is None else set(s.buckets))
-    ends, read_to = s.ends, s.read_to
+    shard_of, read_to = s.shard_of, s.read_to
     for b, (top, low, shard) in fresh.items():
         at = read_to.get(b, s.after.get(b, 0))
         if at < low:
             pruned(b, at, low)
-        was = ends.get(b)
-        if shard >= s.shards or (was is not None and was[2] != shard):
+        was = shard_of.get(b)
+        if shard >= s.shards or (was is not None and was != shard):
             return True
         if was is None and top > at:
             first = firsts(shard, [(b, at)])
             if first is not None and first <= s.seqs[shard]:
                 return True
             read_to[b] = at
-    s.ends = fresh
     s.shard_of = dict(zip(fresh, map(_SHARD, fresh.values()), strict=True))
     return False

@@ -40,11 +40,7 @@ from itertools import chain
 from operator import itemgetter
 from typing import Any
 
-from bagstore.backends.consumersql import (
-    checkpoint_and_renew,
-    checkpoint_ranges,
-    renew_leases,
-)
+from bagstore.backends.consumersql import checkpoint_ranges, renew_leases
 from bagstore.changes import Feed
 from bagstore.errors import ConfigurationError, InvalidQuery
 from bagstore.feedpage import Change, decode_positions, encode_positions
@@ -268,27 +264,26 @@ class Subscriber:
         handled = 0
         # A batch handled and not checkpointed yet: its checkpoint goes with
         # the next batch's lease renewal, one commit (not two) a batch.
-        done: tuple[int, dict[int, int]] | None = None
+        done: dict[int, dict[int, int]] = {}
         try:
             for no, changes, after in batches:
-                renewed = self._checkpoint(done, renew=no)
-                done = None
+                renewed = self._checkpoints(done, renew=[no])
+                done = {}
                 if not renewed:
-                    self.held.pop(no, None)
-                    continue
+                    continue  # (lost meanwhile: given up)
                 self._in_handler = True
                 self.handler(changes)
                 self._in_handler = False
                 handled += len(changes)
-                done = (no, after)
+                done = {no: after}
         except BaseException:
-            if done is not None:  # (a later range's read failed)
+            if done:  # (a later range's read failed)
                 try:
-                    self._checkpoint(done)
+                    self._checkpoints(done)
                 except Exception:
                     log.warning("consumer %s: a checkpoint failed", self.name, exc_info=True)
             raise
-        self._checkpoint(done)
+        self._checkpoints(done)
         return handled
 
     def _read_ranges(self, ends: Any) -> Iterator[tuple[int, list[Change], dict[int, int]]]:
@@ -414,42 +409,6 @@ class Subscriber:
         for no in held & set(done):
             self.held[no] = done[no]
         return held & set(renew)
-
-    def _checkpoint(
-        self, done: tuple[int, dict[int, int]] | None, renew: int | None = None
-    ) -> bool:
-        """Write the checkpoint of ``done`` (a range and its positions after
-        the batch handled), renewing its lease, and renew the lease of range
-        ``renew``, in one statement, of the ranges this process still holds;
-        a range whose lease was lost meanwhile is given up (a batch not
-        checkpointed is delivered again).  Whether ``renew`` is still held
-        (True without one)."""
-        now = _now()
-        if done is None:
-            return renew is None or self._renew(renew, now)
-        no, after = done
-        # stamped with the epoch the range was read in, not the feed's now: a
-        # failover since (a later range's read found it) is not hidden
-        text = _stored(self.epochs[no], after)
-        until = now + self.lease_us
-        if renew is None:
-            kept = self.catalog.update(
-                RANGE_ROWS,
-                {"positions": text, "checkpointed": now, "lease_until": until},
-                {"name": self.name, "range_no": no, "owner": self.member},
-            )
-            held = {no} if kept else set()
-        else:
-            both = (no, text, now)
-            written = checkpoint_and_renew(self.catalog, self.name, self.member, both, renew, until)
-            # fewer than both: which were lost (one held at the update is held now)
-            held = {no, renew} if written == 2 else self._owned()
-        if no in held:
-            self.held[no] = after
-        else:  # the lease lapsed meanwhile: the batch will be delivered again
-            log.warning("consumer %s lost range %d before its checkpoint", self.name, no)
-            self.held.pop(no, None)
-        return renew is None or renew in held
 
     def run(
         self,

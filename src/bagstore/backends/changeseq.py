@@ -25,6 +25,7 @@ order there (see :mod:`bagstore.backends.changesql`).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,6 @@ __all__ = [
     "FLOOR",
     "convert",
     "copy_rows",
-    "ensure_floor_sql",
     "first_after",
     "raise_floor",
     "read_after",
@@ -50,6 +50,8 @@ log = logging.getLogger("bagstore.changes")
 CHANGES = "bagstore_changes"
 FLOOR = "bagstore_change_seq"
 _INDEX = "bagstore_changes_at"
+#: the names bagstore gives the triggers that record changes (changesql)
+_TRIGGER = re.compile(r"bagstore_chg_[0-9a-f]{16}_[iud]")
 _COLUMNS = "kind, seq, bucket, pos, id, op, version, updated, body"
 _TABLE = (
     "(kind VARCHAR(64) NOT NULL, seq INTEGER NOT NULL, bucket INTEGER NOT NULL, "
@@ -82,15 +84,6 @@ def tables_sql() -> list[str]:
     ]
 
 
-def ensure_floor_sql(k: str) -> str:
-    """The floor row of kind literal ``k``, made when missing, at the
-    highest number its rows hold."""
-    return (
-        f"INSERT OR IGNORE INTO {FLOOR} (kind, seq) "
-        f"SELECT {k}, COALESCE(MAX(seq), 0) FROM {CHANGES} WHERE kind = {k}"
-    )
-
-
 def _next(k: str) -> str:
     """The next number of kind literal (or parameter) ``k``: past its highest
     row's and its floor."""
@@ -120,27 +113,30 @@ def raise_floor(backend: Backend, kind: str) -> None:
     that no later change takes the number of one deleted (a reader past it
     would not read it).  Every path that deletes change rows calls it."""
     if sequenced(backend):
-        backend.execute(ensure_floor_sql("?"), [kind, kind])
         backend.execute(
-            f"UPDATE {FLOOR} SET seq = MAX(seq, COALESCE((SELECT MAX(seq) FROM {CHANGES} "
-            "WHERE kind = ?), 0)) WHERE kind = ?",
+            f"INSERT INTO {FLOOR} (kind, seq) SELECT ?, COALESCE(MAX(seq), 0) FROM {CHANGES} "
+            "WHERE kind = ? ON CONFLICT (kind) DO UPDATE SET seq = MAX(seq, excluded.seq)",
             [kind, kind],
         )
 
 
 def convert(backend: Backend) -> bool:
     """Convert this shard's change table from the layout by ``(kind, bucket,
-    pos)`` (stores made before 0.x) to the one by ``seq``, in one
+    pos)`` (stores made before this one) to the one by ``seq``, in one
     transaction: each kind's rows numbered in the order a reader merged them
     (by the running maximum of their time along each bucket, then bucket and
     position), the triggers that write them made again.  Whether it did."""
     columns = [str(r[1]) for r in backend.fetchall(f"PRAGMA table_info({CHANGES})")]
     if not columns or "seq" in columns:
         return False
-    triggers = backend.fetchall(
-        "SELECT name, tbl_name, sql FROM sqlite_master WHERE type = 'trigger' "
-        "AND name LIKE 'bagstore_chg_%'"
-    )
+    triggers = [
+        (str(name), str(table), str(text))
+        for name, table, text in backend.fetchall(
+            "SELECT name, tbl_name, sql FROM sqlite_master WHERE type = 'trigger' "
+            "AND name LIKE 'bagstore_chg_%'"
+        )
+        if _TRIGGER.fullmatch(str(name))  # (its name goes into the DROP)
+    ]
     from bagstore.backends.changesql import triggers_sql  # (it imports this module)
 
     def work(conn: Any) -> int:
@@ -163,15 +159,10 @@ def convert(backend: Backend) -> bool:
             cur.execute(f"ALTER TABLE bagstore_changes_new RENAME TO {CHANGES}")
             for sql in tables_sql():
                 cur.execute(sql)
-            cur.execute(
-                f"INSERT OR REPLACE INTO {FLOOR} (kind, seq) "
-                f"SELECT kind, MAX(seq) FROM {CHANGES} GROUP BY kind"
-            )
             for name, table, text in triggers:
                 if name.endswith("_i"):  # one set of three a kind
-                    for sql in triggers_sql(backend.dialect, str(table), "NEW.body" in text):
+                    for sql in triggers_sql(backend.dialect, table, "NEW.body" in text):
                         cur.execute(sql)
-                    cur.execute(ensure_floor_sql("?"), [str(table), str(table)])
             return int(moved)
 
     moved = backend.run(work)

@@ -224,8 +224,6 @@ def set_triggers(backend: Backend, kind: str, *, on: bool, bodies: bool = False)
         backend._executescript(statements)
         return
     statements = drops + (triggers_sql(d, kind, bodies) if on else [])
-    if on:  # the kind's floor (bagstore.backends.changeseq)
-        statements.append(changeseq.ensure_floor_sql(_literal(kind)))
 
     def work(conn: Any) -> None:
         with backend.transaction(conn) as cur:  # SQLite's DDL is transactional

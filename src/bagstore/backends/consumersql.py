@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from bagstore.backends.base import Backend, Dialect
 
-__all__ = ["checkpoint_and_renew", "checkpoint_ranges", "create_feed_catalog", "renew_leases"]
+__all__ = ["checkpoint_ranges", "create_feed_catalog", "renew_leases"]
 
 
 def _mysql(d: Dialect) -> bool:
@@ -54,29 +54,6 @@ def renew_leases(
         f"UPDATE bagstore_consumer_ranges SET lease_until = {p} WHERE name = {p} "
         f"AND owner = {p} AND range_no IN ({', '.join([p] * len(ranges))})",
         [until, name, member, *ranges],
-    )
-
-
-def checkpoint_and_renew(
-    catalog: Backend,
-    name: str,
-    member: str,
-    done: tuple[int, str, int],
-    renew: int,
-    until: int,
-) -> int:
-    """One statement: of consumer ``name``'s ranges that ``member`` holds, the
-    checkpoint of ``done`` (``(range, positions text, checkpointed µs)``)
-    and the leases of that range and of ``renew`` moved on to ``until`` (µs);
-    the number of rows written (2 unless a lease was lost)."""
-    p = catalog.dialect.param
-    no, positions, at = done
-    return catalog.execute(
-        "UPDATE bagstore_consumer_ranges SET "
-        f"positions = CASE WHEN range_no = {p} THEN {p} ELSE positions END, "
-        f"checkpointed = CASE WHEN range_no = {p} THEN {p} ELSE checkpointed END, "
-        f"lease_until = {p} WHERE name = {p} AND owner = {p} AND range_no IN ({p}, {p})",
-        [no, positions, no, at, until, name, member, no, renew],
     )
 
 
