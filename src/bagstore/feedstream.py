@@ -3,16 +3,18 @@
 of its numbers, the shards merged by time, with no merge of their buckets.
 
 A :class:`Stream` is a reader's state between pages of one set of buckets:
-for each shard, the last number read and the running maximum of ``updated``
-along its rows read; the rows read and not returned; for each bucket the
-last position read.  A row's merge key is that running maximum at the row
-(its own time while a shard's times grow, the normal case: then no key is
-kept and the rows held are sorted by time, each shard's runs merged); a
-page takes the rows held whose key is at most every shard's running
-maximum (ties in no particular order, each shard's rows in its order), so
-a change not read yet never comes before one returned that sorts later.
-When that is not a page's worth, it reads the next rows of the shard whose
-running maximum is least (one statement).
+for each shard, the last number read, the running maximum of ``updated``
+along its rows read, its rows read and not returned, and the last position
+read of each bucket it holds.  A row's merge key is that running maximum at
+the row (its own time while a shard's times grow, the normal case: then no
+key is kept).  A page takes the rows whose key is at most every shard's
+running maximum (a search of each shard's rows; ties in no particular
+order, each shard's rows in its order), so a change not read yet never
+comes before one returned that sorts later; only the rows taken are merged.
+Rows so found beyond the page's limit come first in the next page (a row
+committed meanwhile with an earlier time comes after them, as it would
+after a larger page).  When that is not a page's worth, it reads the next
+rows of the shard whose running maximum is least (one statement).
 
 Start (a cursor other than the last page's end, the first page): each
 shard's last number is read, then every bucket's positions; a shard is read
@@ -36,8 +38,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import accumulate, compress, islice, repeat
-from operator import eq, itemgetter, le, sub
+from itertools import accumulate, chain, compress, islice, repeat
+from operator import gt, itemgetter, le
 from typing import Any
 
 from bagstore.errors import ChangesLost
@@ -49,8 +51,8 @@ _BUCKET, _POS, _UPDATED, _BODY = (itemgetter(i) for i in (0, 1, 5, 6))
 _SHARD = itemgetter(2)  # of an end: (last position, last pruned, shard)
 #: rows a statement asks for at least (rows read ahead wait for the next page)
 _LEAST = 256
-#: a position no bucket was read to
-_NOWHERE = -(2**62)
+#: past any position (that of a bucket a shard does not hold, in _fast)
+_FAR = 2**62
 #: ``holders(buckets or None)``: ``{bucket: (last position, last pruned, shard)}``
 Holders = Callable[[set[int] | None], dict[int, tuple[int, int, int]]]
 #: ``tops()``: each shard's last number handed out
@@ -76,21 +78,23 @@ class Stream:
     #: positions after the last page returned (the cursor that goes on)
     after: dict[int, int]
     shards: int
-    #: of each bucket: the last position read, and the shard holding it as
-    #: the buckets' positions last said
-    read_to: dict[int, int] = field(default_factory=dict)
+    #: of each bucket, the shard holding it as the buckets' positions last
+    #: said; of each shard, the last position read of each bucket it holds
     shard_of: dict[int, int] = field(default_factory=dict)
+    reads: list[dict[int, int]] = field(default_factory=list)
     #: of each shard: the last number read, the running maximum of
     #: ``updated`` along its rows read, whether its last read reached its end
     seqs: list[int] = field(default_factory=list)
     times: list[int] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
-    #: the rows read and not returned, every shard's, in merge order once
-    #: sorted (:func:`_sort`)
-    held: list[tuple[Any, ...]] = field(default_factory=list)
-    #: their merge keys, or None while each is its row's own time (every
-    #: shard's times grew along its rows: the normal case)
-    keys: list[int] | None = None
+    #: the rows read and not returned: those found ready (at most the merge
+    #: bound of an earlier page) in merge order, which come first; then each
+    #: shard's, in its order
+    ready: list[tuple[Any, ...]] = field(default_factory=list)
+    queues: list[list[tuple[Any, ...]]] = field(default_factory=list)
+    #: of each shard's rows held, their merge keys, or None while each is its
+    #: row's own time (the shard's times grew along its rows: the normal case)
+    keys: list[list[int] | None] = field(default_factory=list)
     #: the memory (bytes) its rows read ahead may take (None: no bound)
     budget: int | None = None
     #: the memory a row read takes, from the last rows read (0: none yet)
@@ -111,7 +115,13 @@ class Stream:
         )
 
     def held_rows(self) -> int:
-        return len(self.held)
+        return len(self.ready) + sum(map(len, self.queues))
+
+    @property
+    def held(self) -> list[tuple[Any, ...]]:
+        """The rows read and not returned (those ready first, then each
+        shard's)."""
+        return self.ready + list(chain.from_iterable(self.queues))
 
 
 def start(
@@ -142,19 +152,19 @@ def _begin(s: Stream, calls: tuple[Tops, Holders, Firsts, Pruned]) -> None:
         s.shard_of = dict(zip(ends, map(_SHARD, ends.values()), strict=True))
         if all(shard < len(seqs) for _, _, shard in ends.values()):
             break  # (else a shard joined in between: read both again)
-    s.shards = len(seqs)
-    after, read_to = dict(s.after), {}
-    behind: list[list[tuple[int, int]]] = [[] for _ in range(s.shards)]
+    s.shards = n = len(seqs)
+    after, reads = dict(s.after), [dict[int, int]() for _ in range(n)]
+    behind: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     # a shard whose buckets behind are all read from their oldest change
     # kept is read from its first row (no search a bucket)
-    whole = [True] * s.shards
+    whole = [True] * n
     for b, (top, low, shard) in ends.items():
         pos = after.get(b, 0)
         if s.oldest and low > 0 and b not in after:
             pos = after[b] = low  # from the oldest kept
         if pos < low:
             pruned(b, pos, low)
-        read_to[b] = pos
+        reads[shard][b] = pos
         if top > pos:
             behind[shard].append((b, pos))
             whole[shard] = whole[shard] and pos == low
@@ -166,9 +176,8 @@ def _begin(s: Stream, calls: tuple[Tops, Holders, Firsts, Pruned]) -> None:
         if first is not None and first <= seqs[shard]:
             seqs[shard] = first - 1
     s.after = after if list(after) == sorted(after) else dict(sorted(after.items()))
-    n = s.shards
-    s.read_to, s.seqs, s.times, s.done = read_to, seqs, [-(2**63)] * n, [False] * n
-    s.held, s.keys = [], None
+    s.reads, s.seqs, s.times, s.done = reads, seqs, [-(2**63)] * n, [False] * n
+    s.ready, s.queues, s.keys = [], [[] for _ in range(n)], [None] * n
 
 
 def next_rows(
@@ -184,9 +193,8 @@ def next_rows(
         # the running maximum of their times); one not read yet, first
         waiting = [shard for shard in range(n) if not s.done[shard]]
         fronts = list(map(s.times.__getitem__, waiting))
-        bound = min(fronts) if waiting else None
-        ready = _sort(s, bound)
-        if ready >= limit:
+        cuts = _cuts(s, min(fronts) if waiting else None)
+        if len(s.ready) + sum(cuts) >= limit:
             break
         if waiting:
             if _fetch(s, waiting[fronts.index(min(fronts))], limit, fetch, calls):
@@ -197,12 +205,7 @@ def next_rows(
             break
         _begin(s, calls)
         fresh = True
-    page = s.held[: min(limit, ready)]
-    del s.held[: len(page)]
-    if s.keys is not None:
-        del s.keys[: len(page)]
-        if not s.held:
-            s.keys = None
+    page = _take(s, cuts, limit)
     # a new dict a page (the last one is the caller's, a cursor's), kept in
     # bucket order (what a cursor's text is made from)
     after = dict(s.after)
@@ -212,17 +215,56 @@ def next_rows(
     return page
 
 
-def _sort(s: Stream, bound: int | None) -> int:
-    """Sort the rows held into merge order (stable: each shard's in its
-    order); how many sort at or before ``bound`` (None: all)."""
-    held, keys = s.held, s.keys
-    if keys is None:
-        held.sort(key=_UPDATED)  # (runs of each shard's rows: merged, not sorted)
-        return len(held) if bound is None else bisect_right(held, bound, key=_UPDATED)
-    order = sorted(range(len(keys)), key=keys.__getitem__)
-    s.held = list(map(held.__getitem__, order))
-    s.keys = keys = list(map(keys.__getitem__, order))
-    return len(keys) if bound is None else bisect_right(keys, bound)
+def _cuts(s: Stream, bound: int | None) -> list[int]:
+    """How many of each shard's rows held sort at or before ``bound`` (None:
+    all): a search of each shard's, whose keys grow along its rows."""
+    cuts = []
+    for rows, keys in zip(s.queues, s.keys, strict=True):
+        if bound is None or not rows:
+            cuts.append(len(rows))
+        elif keys is None:
+            cuts.append(bisect_right(rows, bound, key=_UPDATED))
+        else:
+            cuts.append(bisect_right(keys, bound))
+    return cuts
+
+
+def _take(s: Stream, cuts: list[int], limit: int) -> list[tuple[Any, ...]]:
+    """The first ``limit`` rows in merge order of those ready and the first
+    ``cuts`` rows of each shard's (which then are ready): the rows found
+    ready by an earlier page first (each at most that page's bound, which
+    every row not ready then exceeded), then the shards' merged by key
+    (stable: ties in shard order, each shard's in its order)."""
+    ready = s.ready
+    if len(ready) < limit and any(cuts):
+        parts, keyed = [], False
+        for shard, cut in enumerate(cuts):
+            if cut:
+                rows, keys = s.queues[shard], s.keys[shard]
+                parts.append((rows[:cut], None if keys is None else keys[:cut]))
+                del rows[:cut]
+                if keys is not None:
+                    del keys[:cut]
+                    keyed = True
+                    if not rows:
+                        s.keys[shard] = None
+        if len(parts) == 1:
+            merged = parts[0][0]
+        elif not keyed:
+            merged = list(chain.from_iterable(rows for rows, _ in parts))
+            merged.sort(key=_UPDATED)  # (runs of each shard's rows: merged, not sorted)
+        else:
+            rows = list(chain.from_iterable(rows for rows, _ in parts))
+            keys = list(
+                chain.from_iterable(
+                    list(map(_UPDATED, rows)) if keys is None else keys for rows, keys in parts
+                )
+            )
+            merged = list(map(rows.__getitem__, sorted(range(len(keys)), key=keys.__getitem__)))
+        ready = s.ready = ready + merged if ready else merged
+    page = ready[:limit]
+    del ready[:limit]
+    return page
 
 
 def _ask(s: Stream, limit: int) -> int:
@@ -232,7 +274,7 @@ def _ask(s: Stream, limit: int) -> int:
         return most
     if not s.row_bytes:
         return min(most, FIRST)
-    return max(1, min(most, s.budget // s.row_bytes - len(s.held)))
+    return max(1, min(most, s.budget // s.row_bytes - s.held_rows()))
 
 
 def _fetch(
@@ -260,34 +302,35 @@ def _fetch(
             return True
         rows = list(compress(rows, mask))
         times = list(compress(times, mask))
-    if not grew and s.keys is None:
-        s.keys = list(map(_UPDATED, s.held))  # (each its own time so far)
-    s.held += rows
-    if s.keys is not None:
-        s.keys += times
+    queue, keys = s.queues[shard], s.keys[shard]
+    if not grew and keys is None:
+        keys = s.keys[shard] = list(map(_UPDATED, queue))  # (each its own time so far)
+    queue += rows
+    if keys is not None:
+        keys += times
     return False
 
 
 def _fast(s: Stream, shard: int, rows: list[tuple[Any, ...]]) -> bool:
     """Whether the rows are all kept: each bucket's are the next positions of
-    a bucket this shard holds (the normal case; ``s.read_to`` moved on past
-    them); checked in C loops, a bucket at a time.  A bucket's positions
-    grow along a shard's rows: when each bucket's first row is the one after
-    the last read, its rows are at most as many as its last is past that,
-    and when those counts add up to the rows, each bucket has no gap."""
+    a bucket this shard holds (the normal case; the shard's last positions
+    read moved on past them); checked in C loops.  A bucket's positions are
+    unique in a shard and grow along its rows: when each row's is past where
+    its bucket was read to, a bucket's rows are at most as many as its last
+    is past that, and when those counts add up to the rows, no bucket has a
+    gap."""
+    reads = s.reads[shard]
     buckets = list(map(_BUCKET, rows))
     positions = list(map(_POS, rows))
-    last = dict(zip(buckets, positions, strict=True))
-    first = dict(zip(reversed(buckets), reversed(positions), strict=True))
-    seen = list(last)
-    ats = list(map(s.read_to.get, seen, repeat(_NOWHERE)))
-    if not (
-        all(map(eq, map(s.shard_of.get, seen), repeat(shard)))
-        and all(map(eq, map(sub, map(first.__getitem__, seen), ats), repeat(1)))
-        and sum(map(sub, map(last.__getitem__, seen), ats)) == len(rows)
-    ):
+    # (a bucket this shard does not hold: read to _FAR, so never past it)
+    if not all(map(gt, positions, map(reads.get, buckets, repeat(_FAR)))):
         return False
-    s.read_to.update(last)
+    before = sum(reads.values())
+    was = reads.copy()
+    reads.update(zip(buckets, positions, strict=True))
+    if sum(reads.values()) - before != len(rows):
+        s.reads[shard] = was
+        return False
     return True
 
 
@@ -304,7 +347,7 @@ def _slow(
     bucket moved here, or one it did not know has rows behind it).  Raises
     ChangesPruned, ChangesLost for a position missing."""
     _, holders, firsts, pruned = calls
-    shard_of, read_to, wanted = s.shard_of, s.read_to, s.buckets
+    shard_of, read_to, wanted = s.shard_of, s.reads[shard], s.buckets
     odd = {r[0] for r in rows if wanted is None or r[0] in wanted} - {
         b for b, held_by in shard_of.items() if held_by == shard
     }
@@ -360,18 +403,18 @@ def _moved(s: Stream, calls: tuple[Tops, Holders, Firsts, Pruned]) -> bool:
     read to its end; each pruned past is raised."""
     _, holders, firsts, pruned = calls
     fresh = holders(None if s.buckets is None else set(s.buckets))
-    shard_of, read_to = s.shard_of, s.read_to
+    shard_of, reads = s.shard_of, s.reads
     for b, (top, low, shard) in fresh.items():
-        at = read_to.get(b, s.after.get(b, 0))
+        was = shard_of.get(b)
+        at = s.after.get(b, 0) if was is None else reads[was][b]
         if at < low:
             pruned(b, at, low)
-        was = shard_of.get(b)
         if shard >= s.shards or (was is not None and was != shard):
             return True
         if was is None and top > at:
             first = firsts(shard, [(b, at)])
             if first is not None and first <= s.seqs[shard]:
                 return True
-            read_to[b] = at
+            reads[shard][b] = at
     s.shard_of = dict(zip(fresh, map(_SHARD, fresh.values()), strict=True))
     return False

@@ -1,0 +1,185 @@
+"""The reader of shards that keep their change rows in commit order
+(bagstore.feedstream), driven by shards held in lists: every row comes
+once, each shard's in its order, merged by time; a reader started again
+from any page's positions goes on where that page ended."""
+
+from __future__ import annotations
+
+import random
+from itertools import accumulate
+from typing import Any
+
+import pytest
+
+from bagstore import feedstream
+
+Row = tuple[Any, ...]
+
+
+class Shards:
+    """Shards as lists of rows ``(bucket, pos, id, op, version, updated,
+    body)`` in commit order (a row's number: its index + 1); bucket ``b``
+    is held by shard ``b % count``."""
+
+    def __init__(self, count: int, buckets: int, rng: random.Random, monotone: bool) -> None:
+        self.rows: list[list[Row]] = [[] for _ in range(count)]
+        self.tops = [0] * buckets
+        self.clock = [0] * count
+        self.rng, self.monotone = rng, monotone
+
+    def write(self, n: int) -> None:
+        for _ in range(n):
+            b = self.rng.randrange(len(self.tops))
+            shard = b % len(self.rows)
+            step = self.rng.choice([0, 1, 1, 2, 5])
+            if not self.monotone and self.rng.random() < 0.2:
+                step = -self.rng.randint(1, 8)  # the shard's clock went back
+            self.clock[shard] += step
+            self.tops[b] += 1
+            body = self.rng.choice([None, self.rng.randbytes(40)])
+            self.rows[shard].append((b, self.tops[b], b"id", 0, 1, self.clock[shard], body))
+
+    def calls(self) -> tuple[Any, ...]:
+        count = len(self.rows)
+
+        def tops() -> list[int]:
+            return [len(rows) for rows in self.rows]
+
+        def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
+            return {
+                b: (top, 0, b % count)
+                for b, top in enumerate(self.tops)
+                if wanted is None or b in wanted
+            }
+
+        def firsts(shard: int, after: list[tuple[int, int]]) -> int | None:
+            at = dict(after)
+            for seq, r in enumerate(self.rows[shard], 1):
+                if r[0] in at and r[1] > at[r[0]]:
+                    return seq
+            return None
+
+        def pruned(bucket: int, at: int, low: int) -> None:
+            raise AssertionError("nothing is pruned here")
+
+        return tops, holders, firsts, pruned
+
+    def fetch(self, shard: int, seq: int, limit: int) -> tuple[list[Row], int]:
+        rows = self.rows[shard][seq : seq + limit]
+        return rows, seq + len(rows)
+
+    def keyed(self) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """Of each row (bucket, position): its shard, number and merge key
+        (the running maximum of ``updated`` along its shard)."""
+        out = {}
+        for shard, rows in enumerate(self.rows):
+            keys = accumulate((r[5] for r in rows), max)
+            for seq, (r, key) in enumerate(zip(rows, keys, strict=True), 1):
+                out[r[0], r[1]] = (shard, seq, key)
+        return out
+
+
+def _read(
+    shards: Shards, positions: dict[int, int], limit: int, rng: random.Random, grow: bool
+) -> tuple[list[list[Row]], list[dict[int, int]]]:
+    calls = shards.calls()
+    s = feedstream.start(None, positions, False, 0, len(shards.rows), calls)
+    pages, afters = [], []
+    for n in range(100_000):
+        s.budget = rng.choice([None, 0, 2_000, 20_000])  # ~150 bytes a row here
+        page = feedstream.next_rows(s, limit, shards.fetch, calls)
+        assert len(page) <= limit
+        pages.append(page)
+        afters.append(s.after)
+        if grow and n < 20 and rng.random() < 0.5:
+            shards.write(rng.randint(1, 30))
+        elif not page:
+            break
+    return pages, afters
+
+
+def _check_pages(shards: Shards, pages: list[list[Row]], grow: bool) -> None:
+    keyed = shards.keyed()
+    got = [(r[0], r[1]) for page in pages for r in page]
+    assert sorted(got) == sorted(keyed), "every row once"
+    seqs: dict[int, int] = {}
+    for b, pos in got:
+        shard, seq, _ = keyed[b, pos]
+        assert seq > seqs.get(shard, 0), "each shard's rows in its order"
+        seqs[shard] = seq
+    if not grow:  # (rows written between pages may come after later keys)
+        keys = [keyed[k][2] for k in got]
+        assert keys == sorted(keys), "merged by time"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pages_are_every_row_once_in_each_shard_s_order(seed: int) -> None:
+    """Pages of any size, within any memory budget, over shards whose times
+    may go back, with rows written between pages or not: every row once,
+    each shard's in its order, merged by the running maximum of their
+    times while no row is written meanwhile."""
+    rng = random.Random(seed)
+    grow = seed % 2 == 1
+    shards = Shards(rng.randint(1, 4), rng.choice([1, 3, 8, 64]), rng, monotone=seed % 4 < 2)
+    shards.write(rng.randint(0, 300))
+    pages, _ = _read(shards, {}, rng.choice([1, 2, 7, 50, 1000]), rng, grow)
+    _check_pages(shards, pages, grow)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_reader_started_from_a_page_s_positions_goes_on_there(seed: int) -> None:
+    """A new reader started from the positions after any page (a cursor,
+    in a process with no reader of its own) returns exactly the rows after
+    that page, each shard's in its order."""
+    rng = random.Random(seed)
+    shards = Shards(rng.randint(1, 4), rng.choice([3, 8, 64]), rng, monotone=seed % 2 == 0)
+    shards.write(rng.randint(50, 200))
+    limit = rng.choice([1, 7, 30])
+    pages, afters = _read(shards, {}, limit, rng, grow=False)
+    for n in sorted(rng.sample(range(len(pages)), min(6, len(pages)))):
+        rest, _ = _read(shards, afters[n], rng.choice([1, 7, 1000]), rng, grow=False)
+        want = [(r[0], r[1]) for page in pages[n + 1 :] for r in page]
+        got = [(r[0], r[1]) for page in rest for r in page]
+        assert sorted(got) == sorted(want)
+        keyed = shards.keyed()
+        for shard in range(len(shards.rows)):
+            mine = [keyed[k][1] for k in got if keyed[k][0] == shard]
+            assert mine == sorted(mine)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_reader_started_from_any_positions_skips_the_rows_before_them(seed: int) -> None:
+    """Positions that are no prefix of a shard's rows (a cursor of another
+    layout's reader, or one before rows were written in between): each
+    shard is read from the first row after any of its buckets' positions,
+    and each bucket's rows up to its position are skipped."""
+    rng = random.Random(seed)
+    shards = Shards(rng.randint(1, 4), rng.choice([3, 8, 64]), rng, monotone=seed % 2 == 0)
+    shards.write(rng.randint(50, 300))
+    positions = {b: rng.randint(0, top) for b, top in enumerate(shards.tops) if top}
+    pages, afters = _read(shards, positions, rng.choice([1, 7, 1000]), rng, grow=False)
+    got = [(r[0], r[1]) for page in pages for r in page]
+    want = [k for k in shards.keyed() if k[1] > positions.get(k[0], 0)]
+    assert sorted(got) == sorted(want)
+    assert afters[-1] == {b: top for b, top in enumerate(shards.tops) if top}
+
+
+def test_a_row_missing_is_found_whatever_rows_read_again_make_up_for_it() -> None:
+    """A bucket's row missing from its shard (not pruned) raises ChangesLost,
+    also when another bucket's row read again (before its position) makes
+    the count of the rows read what it would be without the gap."""
+    from bagstore import ChangesLost
+
+    shards = Shards(1, 2, random.Random(0), monotone=True)
+    shards.rows[0] = [
+        (1, 1, b"id", 0, 1, 10, None),
+        (0, 1, b"id", 0, 1, 11, None),
+        # (1, 2): missing
+        (0, 2, b"id", 0, 1, 13, None),
+        (1, 3, b"id", 0, 1, 14, None),
+    ]
+    shards.tops = [2, 3]
+    calls = shards.calls()
+    s = feedstream.start(None, {0: 1}, False, 0, 1, calls)
+    with pytest.raises(ChangesLost, match="change 2 of bucket 1 is missing"):
+        feedstream.next_rows(s, 1000, shards.fetch, calls)
