@@ -443,7 +443,8 @@ class Feed:
         body = f"{version}.{epoch}.{encode_positions(positions)}"
         cursor = f"{_CURSOR_PREFIX}{body}.{self._mac(body)}"
         if min(positions.values(), default=1) > 0:  # what decoding it gives back
-            self._issued = (cursor, dict(positions), epoch, version)
+            # (kept, not copied: the positions a page ends at are never changed)
+            self._issued = (cursor, positions, epoch, version)
         return cursor
 
     def positions_of(self, cursor: object) -> dict[int, int]:
@@ -453,10 +454,11 @@ class Feed:
             return {}
         issued = self._issued
         if issued is not None and cursor == issued[0]:
-            # the last cursor made here (the next page's): known, not decoded
-            positions, epoch = dict(issued[1]), issued[2]
-        else:
-            positions, epoch = self._decode(cursor)
+            # the last cursor made here (the next page's): known, not decoded;
+            # the reader's own positions (never changed), so that it goes on
+            self.check_epoch(issued[2], "this cursor")
+            return issued[1]
+        positions, epoch = self._decode(cursor)
         self.check_epoch(epoch, "this cursor")
         if positions and max(positions) >= self.router.placement.buckets:
             raise InvalidQuery("a change feed cursor naming buckets this store lacks")

@@ -217,7 +217,7 @@ def _run(positions: dict[int, int]) -> bytes | None:
     buckets = list(positions)
     first, last = buckets[0], buckets[-1]
     span = last - first + 1
-    if span == len(buckets) and buckets == list(range(first, last + 1)):
+    if span == len(buckets) and buckets == _span(first, span):
         values = list(positions.values())  # every bucket, in order: the normal case
     else:
         first, last = min(buckets), max(buckets)
@@ -230,6 +230,12 @@ def _run(positions: dict[int, int]) -> bytes | None:
     except struct.error:  # a position of 2**32 or more
         return None
     return b"".join([packed[0::4], packed[1::4], packed[2::4], packed[3::4]])
+
+
+@functools.lru_cache(maxsize=16)
+def _span(first: int, count: int) -> list[int]:
+    """Buckets ``first`` to ``first + count - 1`` (kept: never changed)."""
+    return list(range(first, first + count))
 
 
 def _packed(data: bytes) -> str:
