@@ -42,12 +42,12 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import chain, repeat
 from operator import add, methodcaller
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from bagstore import feedread, feedstream
 from bagstore.backends import Backend, changeseq, check_identifier
 from bagstore.backends import changesql as sql
-from bagstore.backends.consumersql import create_feed_catalog
+from bagstore.backends.consumersql import bump_epoch, create_feed_catalog
 from bagstore.errors import ChangesLost, ChangesPruned, ConfigurationError, InvalidQuery
 from bagstore.feedpage import (
     Change,
@@ -120,6 +120,8 @@ class Feed:
         self._polled: dict[int, tuple[Backend, int, float, sql.Sums, dict[int, tuple[int, int]]]]
         self._polled = {}
         self._on_at = -1e9  # when check_on last found the feed on
+        #: the last set of buckets read found to be this store's buckets
+        self._checked: frozenset[int] | None = None
 
     @property
     def read_ahead_bytes(self) -> int:
@@ -256,18 +258,19 @@ class Feed:
         afresh, reading every bucket's positions."""
         if type(limit) is not int or not 1 <= limit <= MAX_LIMIT:
             raise InvalidQuery(f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit!r}")
-        key = None if buckets is None else bucket_set(buckets, self.router.placement.buckets)
+        key = cast("frozenset[int] | None", buckets)  # (a consumer's: the same set each batch)
+        if buckets is not None and buckets is not self._checked:
+            key = self._checked = bucket_set(buckets, self.router.placement.buckets)
         # Taken out while in use: a thread reading the same buckets at the
         # same time starts its own session.
         session = self._sessions.pop(key, None)
-        every = None if key is None else set(key)
 
         def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
             # all the session's buckets read afresh (a page after the rows
             # known, or following the feed's end): the caller's once, or polled
             nonlocal ends
-            if wanted != every or ends is None:
-                return self.holders(wanted, polled=wanted == every)
+            if wanted != key or ends is None:
+                return self.holders(wanted, polled=wanted == key)
             known, ends = ends, None
             return known if wanted is None else {b: known[b] for b in sorted(wanted) if b in known}
 
@@ -288,7 +291,7 @@ class Feed:
         router = self.router
         calls = (
             lambda: [changeseq.tops(b, self.kind) for b in router.backends],
-            lambda wanted: self.holders(wanted, polled=wanted == every),
+            lambda wanted: self.holders(wanted, polled=wanted == key),
             lambda shard, at: changeseq.first_after(router.backends[shard], self.kind, at),
             pruned,
         )
@@ -557,17 +560,6 @@ def prepare_feeds(catalog: Backend, backend: Backend) -> None:
     sql.ensure_change_tables(backend)
     for kind, bodies in catalog.select_all("bagstore_feeds", ("kind", "bodies")):
         sql.set_triggers(backend, str(kind), on=True, bodies=bool(bodies))
-
-
-def bump_epoch(catalog: Backend) -> int:
-    """Move the feed's epoch (every kind's) on by one in the catalog's
-    ``bagstore_meta``; the new epoch.  An unplanned failover calls it
-    (:mod:`bagstore.sharding.failover`): the old primary may have committed
-    changes that a consumer read and no replica received."""
-    rows = catalog.select_all("bagstore_meta", ("value",), {"name": "feed_epoch"})
-    epoch = (int(rows[0][0]) if rows else 0) + 1
-    catalog.upsert("bagstore_meta", {"name": "feed_epoch"}, {"value": str(epoch)})
-    return epoch
 
 
 def _holders(

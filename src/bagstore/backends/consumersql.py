@@ -1,6 +1,6 @@
 """SQL of a change feed's catalog tables: each kind's feed settings, each
 named consumer, its bucket ranges (positions and leases) and its live
-processes (:mod:`bagstore.subscriber`)."""
+processes (:mod:`bagstore.subscriber`); the feed's epoch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from bagstore.backends.base import Backend, Dialect
 
-__all__ = ["checkpoint_ranges", "create_feed_catalog", "renew_leases"]
+__all__ = ["bump_epoch", "checkpoint_ranges", "create_feed_catalog", "renew_leases"]
 
 
 def _mysql(d: Dialect) -> bool:
@@ -91,3 +91,14 @@ def checkpoint_ranges(
         f"AND owner = {p} AND range_no IN ({', '.join([p] * len(ranges))})",
         params,
     )
+
+
+def bump_epoch(catalog: Backend) -> int:
+    """Move the feed's epoch (every kind's) on by one in the catalog's
+    ``bagstore_meta``; the new epoch.  An unplanned failover calls it
+    (:mod:`bagstore.sharding.failover`): the old primary may have committed
+    changes that a consumer read and no replica received."""
+    rows = catalog.select_all("bagstore_meta", ("value",), {"name": "feed_epoch"})
+    epoch = (int(rows[0][0]) if rows else 0) + 1
+    catalog.upsert("bagstore_meta", {"name": "feed_epoch"}, {"value": str(epoch)})
+    return epoch

@@ -30,6 +30,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from bagstore.backends.consumersql import bump_epoch
 from bagstore.backends.mysql import MySQLBackend
 from bagstore.errors import BackendError, ConfigurationError
 from bagstore.sharding.replicas import RECORD, record_json
@@ -206,8 +207,6 @@ def _finish(
     if not planned:
         # The old primary may have committed changes a consumer already read
         # and no replica received: their positions will be handed out again.
-        from bagstore.changes import bump_epoch
-
         feed_epoch = bump_epoch(router.catalog.backend)
         log.warning("shard %s: change feed epoch %d (older cursors refused)", name, feed_epoch)
     router.refresh(force=True)  # this process routes by the new epoch at once
