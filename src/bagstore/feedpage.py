@@ -214,17 +214,21 @@ def _run(positions: dict[int, int]) -> bytes | None:
     than 32 bits."""
     if not positions:
         return None
-    buckets = list(positions)
-    first, last = buckets[0], buckets[-1]
+    n = len(positions)
+    first, last = next(iter(positions)), next(reversed(positions))
     span = last - first + 1
-    if span == len(buckets) and buckets == _span(first, span):
+    if span == n and list(positions) == _span(first, span):
         values = list(positions.values())  # every bucket, in order: the normal case
     else:
-        first, last = min(buckets), max(buckets)
-        span = last - first + 1
-        if span > _RUN_SPAN * len(buckets):
-            return None
-        values = list(map(positions.get, range(first, last + 1), repeat(0)))
+        # in bucket order (a reader's), some buckets missing: its first and
+        # last are the least and greatest when every other lies between them
+        values = list(map(positions.get, range(first, last + 1), repeat(0))) if span > 0 else []
+        if not 0 < span <= _RUN_SPAN * n or len(values) - values.count(0) != n:
+            first, last = min(positions), max(positions)
+            span = last - first + 1
+            if span > _RUN_SPAN * n:
+                return None
+            values = list(map(positions.get, range(first, last + 1), repeat(0)))
     try:
         packed = struct.pack(f"<{span + 1}I", first, *values)
     except struct.error:  # a position of 2**32 or more
