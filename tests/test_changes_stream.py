@@ -46,10 +46,10 @@ class Shards:
             return [len(rows) for rows in self.rows]
 
         def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
-            return {
+            return {  # (a bucket no change was written to has no positions)
                 b: (top, 0, b % count)
                 for b, top in enumerate(self.tops)
-                if wanted is None or b in wanted
+                if top and (wanted is None or b in wanted)
             }
 
         def firsts(shard: int, after: list[tuple[int, int]]) -> int | None:
@@ -183,3 +183,20 @@ def test_a_row_missing_is_found_whatever_rows_read_again_make_up_for_it() -> Non
     s = feedstream.start(None, {0: 1}, False, 0, 1, calls)
     with pytest.raises(ChangesLost, match="change 2 of bucket 1 is missing"):
         feedstream.next_rows(s, 1000, shards.fetch, calls)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_positions_ahead_of_a_bucket_s_rows_while_rows_are_written(seed: int) -> None:
+    """A cursor may hold positions of buckets with fewer rows than that, or
+    none yet (a bucket no change was written to has no positions): rows
+    written to them while the reader reads come once they pass it."""
+    rng = random.Random(seed)
+    shards = Shards(rng.randint(1, 4), rng.choice([3, 8, 64]), rng, monotone=seed % 2 == 0)
+    shards.write(rng.randint(0, 100))
+    positions = {b: p for b in range(len(shards.tops)) if (p := rng.randint(0, shards.tops[b] + 3))}
+    pages, afters = _read(shards, positions, rng.choice([1, 7, 1000]), rng, grow=True)
+    got = [(r[0], r[1]) for page in pages for r in page]
+    want = [k for k in shards.keyed() if k[1] > positions.get(k[0], 0)]
+    assert sorted(got) == sorted(want)
+    tops = {b: max(top, positions.get(b, 0)) for b, top in enumerate(shards.tops)}
+    assert afters[-1] == {b: top for b, top in tops.items() if top}

@@ -411,10 +411,11 @@ def _moved(s: Stream, calls: tuple[Tops, Holders, Firsts, Pruned]) -> bool:
             pruned(b, at, low)
         if shard >= s.shards or (was is not None and was != shard):
             return True
-        if was is None and top > at:
-            first = firsts(shard, [(b, at)])
-            if first is not None and first <= s.seqs[shard]:
-                return True
+        if was is None:  # (known now: read from where the reader stands)
+            if top > at:
+                first = firsts(shard, [(b, at)])
+                if first is not None and first <= s.seqs[shard]:
+                    return True
             reads[shard][b] = at
     s.shard_of = dict(zip(fresh, map(_SHARD, fresh.values()), strict=True))
     return False
