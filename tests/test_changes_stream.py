@@ -80,10 +80,15 @@ class Shards:
 
 
 def _read(
-    shards: Shards, positions: dict[int, int], limit: int, rng: random.Random, grow: bool
+    shards: Shards,
+    positions: dict[int, int],
+    limit: int,
+    rng: random.Random,
+    grow: bool,
+    buckets: frozenset[int] | None = None,
 ) -> tuple[list[list[Row]], list[dict[int, int]]]:
     calls = shards.calls()
-    s = feedstream.start(None, positions, False, 0, len(shards.rows), calls)
+    s = feedstream.start(buckets, positions, False, 0, len(shards.rows), calls)
     pages, afters = [], []
     for n in range(100_000):
         s.budget = rng.choice([None, 0, 2_000, 20_000])  # ~150 bytes a row here
@@ -95,6 +100,12 @@ def _read(
             shards.write(rng.randint(1, 30))
         elif not page:
             break
+    if buckets is not None and not grow and not positions:
+        # a shard found to hold others' rows, theirs left out first (each
+        # shard with rows of the reader's read from its first row)
+        for shard, rows in enumerate(shards.rows):
+            mine = {r[0] in buckets for r in rows}
+            assert s.mixed[shard] == (mine == {True, False})
     return pages, afters
 
 
@@ -200,3 +211,25 @@ def test_positions_ahead_of_a_bucket_s_rows_while_rows_are_written(seed: int) ->
     assert sorted(got) == sorted(want)
     tops = {b: max(top, positions.get(b, 0)) for b, top in enumerate(shards.tops)}
     assert afters[-1] == {b: top for b, top in tops.items() if top}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_reader_of_some_buckets_reads_theirs_only(seed: int) -> None:
+    """A reader of some of the buckets (a consumer process's ranges), each
+    shard holding others too: every row of its buckets once, in each
+    shard's order, none of the others'; their rows are left out before the
+    per-bucket check once a shard is found to hold them."""
+    rng = random.Random(seed)
+    shards = Shards(rng.randint(1, 4), rng.choice([8, 64]), rng, monotone=seed % 2 == 0)
+    shards.write(rng.randint(20, 300))
+    mine = frozenset(rng.sample(range(len(shards.tops)), len(shards.tops) // 2))
+    pages, afters = _read(
+        shards, {}, rng.choice([1, 7, 1000]), rng, grow=seed % 3 == 0, buckets=mine
+    )
+    got = [(r[0], r[1]) for page in pages for r in page]
+    keyed = shards.keyed()
+    assert sorted(got) == sorted(k for k in keyed if k[0] in mine)
+    for shard in range(len(shards.rows)):
+        seqs = [keyed[k][1] for k in got if keyed[k][0] == shard]
+        assert seqs == sorted(seqs)
+    assert afters[-1] == {b: shards.tops[b] for b in sorted(mine) if shards.tops[b]}

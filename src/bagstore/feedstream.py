@@ -95,6 +95,9 @@ class Stream:
     #: of each shard's rows held, their merge keys, or None while each is its
     #: row's own time (the shard's times grew along its rows: the normal case)
     keys: list[list[int] | None] = field(default_factory=list)
+    #: of each shard, whether it holds buckets other than the reader's (found
+    #: by a read that met their rows: later reads leave them out first)
+    mixed: list[bool] = field(default_factory=list)
     #: the memory (bytes) its rows read ahead may take (None: no bound)
     budget: int | None = None
     #: the memory a row read takes, from the last rows read (0: none yet)
@@ -177,7 +180,7 @@ def _begin(s: Stream, calls: tuple[Tops, Holders, Firsts, Pruned]) -> None:
             seqs[shard] = first - 1
     s.after = after if list(after) == sorted(after) else dict(sorted(after.items()))
     s.reads, s.seqs, s.times, s.done = reads, seqs, [-(2**63)] * n, [False] * n
-    s.ready, s.queues, s.keys = [], [[] for _ in range(n)], [None] * n
+    s.ready, s.queues, s.keys, s.mixed = [], [[] for _ in range(n)], [None] * n, [False] * n
 
 
 def next_rows(
@@ -296,6 +299,9 @@ def _fetch(
         times = list(accumulate(times, max, initial=s.times[shard]))
         del times[0]
     s.times[shard] = times[-1]
+    if s.mixed[shard] and s.buckets is not None:  # (the other buckets' rows left out)
+        keep = list(map(s.buckets.__contains__, map(_BUCKET, rows)))
+        rows, times = list(compress(rows, keep)), list(compress(times, keep))
     if not _fast(s, shard, rows):
         mask = _slow(s, shard, rows, since, calls)
         if mask is None:
@@ -348,6 +354,8 @@ def _slow(
     ChangesPruned, ChangesLost for a position missing."""
     _, holders, firsts, pruned = calls
     shard_of, read_to, wanted = s.shard_of, s.reads[shard], s.buckets
+    if wanted is not None and not wanted.issuperset(map(_BUCKET, rows)):
+        s.mixed[shard] = True
     odd = {r[0] for r in rows if wanted is None or r[0] in wanted} - {
         b for b, held_by in shard_of.items() if held_by == shard
     }
