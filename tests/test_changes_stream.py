@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import bagstore
 from bagstore import feedstream
 
 Row = tuple[Any, ...]
@@ -233,3 +234,108 @@ def test_a_reader_of_some_buckets_reads_theirs_only(seed: int) -> None:
         seqs = [keyed[k][1] for k in got if keyed[k][0] == shard]
         assert seqs == sorted(seqs)
     assert afters[-1] == {b: shards.tops[b] for b in sorted(mine) if shards.tops[b]}
+
+
+class Numbered:
+    """Shards as ``{number: row}`` (rows can be deleted, numbers stay), each
+    bucket's holder, last position and last pruned, for a bucket move or a
+    prune while a reader reads."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[int, Row]] = [{}, {}]
+        self.top = [0, 0]
+        self.holder = {0: 0, 1: 1, 2: 0}
+        self.tops = dict.fromkeys(self.holder, 0)
+        self.low = dict.fromkeys(self.holder, 0)
+        #: (shard, number) -> done before that shard is read after that number
+        self.on_fetch: dict[tuple[int, int], Any] = {}
+
+    def add(self, shard: int, bucket: int, pos: int, updated: int) -> None:
+        self.top[shard] += 1
+        self.rows[shard][self.top[shard]] = (bucket, pos, b"id", 0, 1, updated, None)
+        self.tops[bucket] = max(self.tops[bucket], pos)
+
+    def calls(self) -> tuple[Any, ...]:
+        def holders(wanted: set[int] | None) -> dict[int, tuple[int, int, int]]:
+            return {
+                b: (self.tops[b], self.low[b], shard)
+                for b, shard in self.holder.items()
+                if self.tops[b] and (wanted is None or b in wanted)
+            }
+
+        def firsts(shard: int, after: list[tuple[int, int]]) -> int | None:
+            at = dict(after)
+            found = [n for n, r in self.rows[shard].items() if r[0] in at and r[1] > at[r[0]]]
+            return min(found, default=None)
+
+        def pruned(bucket: int, at: int, low: int) -> None:
+            raise bagstore.ChangesPruned(f"bucket {bucket} at {at}, pruned to {low}")
+
+        return lambda: list(self.top), holders, firsts, pruned
+
+    def fetch(self, shard: int, seq: int, limit: int) -> tuple[list[Row], int]:
+        if (shard, seq) in self.on_fetch:
+            self.on_fetch.pop((shard, seq))()
+        numbers = sorted(n for n in self.rows[shard] if n > seq)[:limit]
+        return [self.rows[shard][n] for n in numbers], (numbers[-1] if numbers else seq)
+
+    def start(self) -> None:
+        for pos in range(1, 5):
+            self.add(0, 0, pos, 10 * pos)  # bucket 0 on shard 0
+        self.add(0, 2, 1, 100)  # (shard 0 read to a later time than shard 1's rows)
+        self.add(1, 1, 1, 1)
+        self.add(1, 1, 2, 2)  # bucket 1 on shard 1
+
+
+def test_a_move_completed_behind_the_reader_is_found_once_every_shard_is_read() -> None:
+    """A bucket's copies read on the destination while the source still held
+    it (skipped, as copies under way), then the move completed before the
+    reader came back to the source: its last change lies on the destination
+    behind where the reader stands.  Once every shard is read to its end the
+    buckets' holders are read again, the move is found and the reader starts
+    again from its last page: that change comes, once."""
+    shards = Numbered()
+    shards.start()
+    calls = shards.calls()
+    s = feedstream.start(None, {}, False, 0, 2, calls)
+    first = feedstream.next_rows(s, 1000, shards.fetch, calls)
+    assert sorted((r[0], r[1]) for r in first) == [
+        (0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2), (2, 1)
+    ]  # fmt: skip
+    shards.add(0, 0, 5, 50)  # a write to bucket 0, then the move's copies
+    for pos in range(1, 6):
+        shards.add(1, 0, pos, 10 * pos)
+
+    def complete() -> None:  # the source's rows deleted, the bucket held by shard 1
+        shards.rows[0] = {n: r for n, r in shards.rows[0].items() if r[0] != 0}
+        shards.holder[0] = 1
+
+    shards.on_fetch[0, 5] = complete
+    s.budget = 0  # (a row a statement: shard 1's copies are read before shard 0 again)
+    rest = []
+    while page := feedstream.next_rows(s, 1000, shards.fetch, calls):
+        rest += [(r[0], r[1]) for r in page]
+    assert rest == [(0, 5)]
+    assert s.after == {0: 5, 1: 2, 2: 1}
+
+
+def test_changes_pruned_behind_the_reader_are_told_once_every_shard_is_read() -> None:
+    """A bucket's changes the reader has not read pruned while it reads (it
+    fell behind retention), with no later change of the bucket to show the
+    gap: once every shard is read to its end the buckets' positions are read
+    again and the reader is told (ChangesPruned), not left to skip them."""
+    shards = Numbered()
+    shards.start()
+
+    def prune() -> None:  # bucket 0's changes 3 and 4 (and those before) pruned
+        shards.rows[0] = {n: r for n, r in shards.rows[0].items() if r[0] != 0}
+        shards.low[0] = 4
+
+    shards.on_fetch[0, 2] = prune
+    calls = shards.calls()
+    s = feedstream.start(None, {}, False, 0, 2, calls)
+    s.budget, s.row_bytes = 0, 100  # (a row a statement: bucket 0's first two read first)
+    got = []
+    with pytest.raises(bagstore.ChangesPruned, match="bucket 0 at 2, pruned to 4"):
+        while page := feedstream.next_rows(s, 1000, shards.fetch, calls):
+            got += [(r[0], r[1]) for r in page]
