@@ -339,3 +339,16 @@ def test_changes_pruned_behind_the_reader_are_told_once_every_shard_is_read() ->
     with pytest.raises(bagstore.ChangesPruned, match="bucket 0 at 2, pruned to 4"):
         while page := feedstream.next_rows(s, 1000, shards.fetch, calls):
             got += [(r[0], r[1]) for r in page]
+
+
+def test_a_position_missing_from_a_bucket_s_rows_is_lost_not_skipped() -> None:
+    """A bucket's change missing from the shard that holds it, not pruned
+    (every row read past where its bucket was read to, so only what the
+    positions add up to shows it): ChangesLost, not a silent skip."""
+    shards = Numbered()
+    shards.start()
+    shards.rows[0] = {n: r for n, r in shards.rows[0].items() if r[:2] != (0, 3)}
+    calls = shards.calls()
+    s = feedstream.start(None, {}, False, 0, 2, calls)
+    with pytest.raises(bagstore.ChangesLost, match="change 3 of bucket 0 is missing"):
+        feedstream.next_rows(s, 1000, shards.fetch, calls)
