@@ -89,7 +89,7 @@ def _read(
     buckets: frozenset[int] | None = None,
 ) -> tuple[list[list[Row]], list[dict[int, int]]]:
     calls = shards.calls()
-    s = feedstream.start(buckets, positions, False, 0, len(shards.rows), calls)
+    s = feedstream.start(buckets, positions, False, 0, calls)
     pages, afters = [], []
     for n in range(100_000):
         s.budget = rng.choice([None, 0, 2_000, 20_000])  # ~150 bytes a row here
@@ -192,7 +192,7 @@ def test_a_row_missing_is_found_whatever_rows_read_again_make_up_for_it() -> Non
     ]
     shards.tops = [2, 3]
     calls = shards.calls()
-    s = feedstream.start(None, {0: 1}, False, 0, 1, calls)
+    s = feedstream.start(None, {0: 1}, False, 0, calls)
     with pytest.raises(ChangesLost, match="change 2 of bucket 1 is missing"):
         feedstream.next_rows(s, 1000, shards.fetch, calls)
 
@@ -297,7 +297,7 @@ def test_a_move_completed_behind_the_reader_is_found_once_every_shard_is_read() 
     shards = Numbered()
     shards.start()
     calls = shards.calls()
-    s = feedstream.start(None, {}, False, 0, 2, calls)
+    s = feedstream.start(None, {}, False, 0, calls)
     first = feedstream.next_rows(s, 1000, shards.fetch, calls)
     assert sorted((r[0], r[1]) for r in first) == [
         (0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2), (2, 1)
@@ -333,7 +333,7 @@ def test_changes_pruned_behind_the_reader_are_told_once_every_shard_is_read() ->
 
     shards.on_fetch[0, 2] = prune
     calls = shards.calls()
-    s = feedstream.start(None, {}, False, 0, 2, calls)
+    s = feedstream.start(None, {}, False, 0, calls)
     s.budget, s.row_bytes = 0, 100  # (a row a statement: bucket 0's first two read first)
     got = []
     with pytest.raises(bagstore.ChangesPruned, match="bucket 0 at 2, pruned to 4"):
@@ -349,6 +349,6 @@ def test_a_position_missing_from_a_bucket_s_rows_is_lost_not_skipped() -> None:
     shards.start()
     shards.rows[0] = {n: r for n, r in shards.rows[0].items() if r[:2] != (0, 3)}
     calls = shards.calls()
-    s = feedstream.start(None, {}, False, 0, 2, calls)
+    s = feedstream.start(None, {}, False, 0, calls)
     with pytest.raises(bagstore.ChangesLost, match="change 3 of bucket 0 is missing"):
         feedstream.next_rows(s, 1000, shards.fetch, calls)

@@ -291,13 +291,13 @@ class Feed:
         router = self.router
         calls = (
             lambda: [changeseq.tops(b, self.kind) for b in router.backends],
-            lambda wanted: self.holders(wanted, polled=wanted == key),
+            holders,
             lambda shard, at: changeseq.first_after(router.backends[shard], self.kind, at),
             pruned,
         )
         if session is None:
             session = (
-                feedstream.start(key, positions, oldest, epoch, len(backends), calls)
+                feedstream.start(key, positions, oldest, epoch, calls)
                 if stream
                 else feedread.start(key, positions, oldest, epoch, holders, pruned)
             )

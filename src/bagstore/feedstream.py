@@ -77,7 +77,6 @@ class Stream:
     epoch: int
     #: positions after the last page returned (the cursor that goes on)
     after: dict[int, int]
-    shards: int
     #: of each bucket, the shard holding it as the buckets' positions last
     #: said; of each shard, the last position read of each bucket it holds
     shard_of: dict[int, int] = field(default_factory=dict)
@@ -117,6 +116,11 @@ class Stream:
             and (positions is self.after or positions == self.after)
         )
 
+    @property
+    def shards(self) -> int:
+        """How many shards it reads (as many as their last numbers it read)."""
+        return len(self.seqs)
+
     def held_rows(self) -> int:
         return len(self.ready) + sum(map(len, self.queues))
 
@@ -132,12 +136,11 @@ def start(
     positions: dict[int, int],
     oldest: bool,
     epoch: int,
-    shards: int,
     calls: tuple[Tops, Holders, Firsts, Pruned],
 ) -> Stream:
     """A reader at ``positions`` (a bucket missing: from 0, or from the oldest
-    change kept with ``oldest``) of ``shards`` shards."""
-    s = Stream(buckets, oldest, epoch, dict(positions), shards)
+    change kept with ``oldest``) of every shard ``calls`` reach."""
+    s = Stream(buckets, oldest, epoch, dict(positions))
     _begin(s, calls)
     s.fresh = True
     return s
@@ -155,7 +158,7 @@ def _begin(s: Stream, calls: tuple[Tops, Holders, Firsts, Pruned]) -> None:
         s.shard_of = dict(zip(ends, map(_SHARD, ends.values()), strict=True))
         if all(shard < len(seqs) for _, _, shard in ends.values()):
             break  # (else a shard joined in between: read both again)
-    s.shards = n = len(seqs)
+    n = len(seqs)
     after, reads = dict(s.after), [dict[int, int]() for _ in range(n)]
     behind: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     # a shard whose buckets behind are all read from their oldest change
