@@ -445,9 +445,10 @@ class Feed:
             return issued[0]  # the same again (a reader at the feed's end)
         body = f"{version}.{epoch}.{encode_positions(positions)}"
         cursor = f"{_CURSOR_PREFIX}{body}.{self._mac(body)}"
-        if min(positions.values(), default=1) > 0:  # what decoding it gives back
-            # (kept, not copied: the positions a page ends at are never changed)
-            self._issued = (cursor, positions, epoch, version)
+        # Kept, not copied (the positions a page ends at are never changed),
+        # zeros and all: decoding leaves a position of 0 out, which reads the
+        # same from a cursor (a bucket missing is read from position 0).
+        self._issued = (cursor, positions, epoch, version)
         return cursor
 
     def positions_of(self, cursor: object) -> dict[int, int]:
