@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import bagstore
@@ -474,6 +474,57 @@ def test_positions_of_any_shape_round_trip(
         text = feedpage.encode_positions(given_)
         assert feedpage.decode_positions(text) == {b: p for b, p in given_.items() if p}
         assert "." not in text and ":" not in text
+
+
+@given(
+    first=st.integers(0, 2**32),
+    values=st.lists(
+        st.one_of(st.none(), st.integers(0, 60), st.integers(0, 2**33)).filter(
+            lambda v: v is None or v < 2**32 or v % 50 == 0  # (now and then a big one)
+        ),
+        max_size=300,
+    ),
+    pages=st.lists(
+        st.lists(
+            st.tuples(
+                st.integers(0, 299),
+                st.one_of(st.integers(0, 60), st.integers(0, 2**33)).filter(
+                    lambda v: v < 2**32 or v % 50 == 0
+                ),
+            ),
+            max_size=120,
+        ),
+        max_size=5,
+    ),
+)
+@example(first=2**32, values=[1, 2], pages=[])  # (a bucket number past 32 bits: no run)
+@settings(max_examples=300, deadline=None)
+def test_a_readers_run_makes_the_text_its_positions_make(
+    first: int, values: list[int | None], pages: list[list[tuple[int, int]]]
+) -> None:
+    """A reader's positions, page after page, with the run its cursor's text
+    is made of (made from them, or the last page's with the page's buckets
+    written into it): the same text as the same positions in a plain dict,
+    and a run exactly where that text is one."""
+    positions = {first + i: v for i, v in enumerate(values) if v is not None}
+    after = feedpage.Positions(sorted(positions.items()))
+    after.run = feedpage.run_of(after)
+    for page in [[], *pages]:
+        keys = list(after)
+        buckets = [keys[i % len(keys)] for i, _ in page] if keys else []
+        moved = [p for _, p in page][: len(buckets)]
+        made = feedpage.Positions(after)
+        made.update(zip(buckets, moved, strict=True))
+        was = after.run
+        made.run = (
+            feedpage.run_of(made) if was is None else feedpage.run_after(was, made, buckets, moved)
+        )
+        plain = feedpage.encode_positions(dict(made))
+        assert feedpage.encode_positions(made) == plain
+        if feedpage._RUNS:
+            assert (made.run is not None) == plain.startswith("~~")
+        assert feedpage.decode_positions(plain) == {b: p for b, p in made.items() if p}
+        after = made
 
 
 def test_a_run_of_positions_is_the_compact_form_and_its_damage_is_refused() -> None:

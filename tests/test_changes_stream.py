@@ -13,6 +13,7 @@ import pytest
 
 import bagstore
 from bagstore import feedstream
+from bagstore.feedpage import encode_positions
 
 Row = tuple[Any, ...]
 
@@ -97,6 +98,8 @@ def _read(
         assert len(page) <= limit
         pages.append(page)
         afters.append(s.after)
+        # its cursor's text, made from the run kept beside the positions
+        assert encode_positions(s.after) == encode_positions(dict(s.after))
         if grow and n < 20 and rng.random() < 0.5:
             shards.write(rng.randint(1, 30))
         elif not page:

@@ -11,9 +11,10 @@ import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Sequence
 from itertools import accumulate, chain, compress, repeat
-from operator import gt, sub
+from operator import gt, setitem, sub
 from typing import Any, cast
 
 from bagstore import codec
@@ -23,11 +24,14 @@ from bagstore.errors import InvalidEntity, InvalidQuery
 __all__ = [
     "Change",
     "ChangePage",
+    "Positions",
     "bucket_set",
     "check_positions",
     "decode_positions",
     "encode_positions",
     "page_changes",
+    "run_after",
+    "run_of",
 ]
 
 
@@ -176,6 +180,60 @@ _RUN = "~~"
 _RUN_SPAN = 2
 
 
+class Positions(dict[int, int]):
+    """Positions a reader's page ends at, never changed once made, with the
+    run of buckets their cursor's text is made of when the reader made it
+    beside them (:func:`run_of`, :func:`run_after`): ``run`` is ``(first,
+    data)``, the positions of buckets ``first`` on as 32-bit little-endian
+    ints, 0 where a bucket has none, so that a cursor of 1,024 buckets is
+    made without walking them; None (or not set) when not known."""
+
+    __slots__ = ("run",)
+    run: tuple[int, bytes] | None
+
+
+#: runs are made as arrays of 32-bit ints in little-endian order: where the
+#: machine's are not, none is made (each cursor made from its positions)
+_RUNS = sys.byteorder == "little" and array("I").itemsize == 4
+
+
+def run_of(positions: dict[int, int]) -> tuple[int, bytes] | None:
+    """The run of ``positions`` (in bucket order) that :func:`encode_positions`
+    would make of them, or None when it would not make one (buckets too far
+    apart, a number of 2**32 or more)."""
+    if not positions or not _RUNS:
+        return None
+    n = len(positions)
+    first, last = next(iter(positions)), next(reversed(positions))
+    if not 0 < last - first + 1 <= _RUN_SPAN * n or not 0 <= first < 2**32:
+        return None
+    try:
+        if last - first + 1 == n:  # (n buckets in order from first to last: each one)
+            return first, struct.pack(f"<{n}I", *positions.values())
+        return first, array("I", map(positions.get, range(first, last + 1), repeat(0))).tobytes()
+    except (struct.error, OverflowError):
+        return None
+
+
+def run_after(
+    run: tuple[int, bytes], positions: dict[int, int], buckets: Sequence[int], moved: Sequence[int]
+) -> tuple[int, bytes] | None:
+    """The run of ``positions``: those of ``run`` with each of ``buckets``
+    (each one of them) moved to the position of ``moved`` beside it, the last
+    one of a bucket counting; the few written where they lie, else made
+    afresh (:func:`run_of`)."""
+    first, data = run
+    if 3 * len(buckets) >= len(data) // 4:
+        return run_of(positions)
+    ints = array("I")
+    ints.frombytes(data)
+    try:
+        deque(map(setitem, repeat(ints), map(sub, buckets, repeat(first)), moved), 0)
+    except OverflowError:
+        return None
+    return first, ints.tobytes()
+
+
 def encode_positions(positions: dict[int, int]) -> str:
     """Positions as compact text, zlib-compressed and base64: as a run of
     buckets (:func:`_run`) when they lie close together and fit in 32
@@ -184,6 +242,9 @@ def encode_positions(positions: dict[int, int]) -> str:
     of 1,024 buckets is made at every page; a reader keeps its positions in
     bucket order, which is checked rather than sorted again).  A position
     of 0 is left out (as if not there)."""
+    made = getattr(positions, "run", None)  # (a reader's :class:`Positions`)
+    if made is not None:
+        return _RUN + _packed(_planes(struct.pack("<I", made[0]) + made[1]))
     run = _run(positions)
     if run is not None:
         return _RUN + _packed(run)
@@ -233,6 +294,11 @@ def _run(positions: dict[int, int]) -> bytes | None:
         packed = struct.pack(f"<{span + 1}I", first, *values)
     except struct.error:  # a position of 2**32 or more
         return None
+    return _planes(packed)
+
+
+def _planes(packed: bytes) -> bytes:
+    """32-bit ints' bytes in four planes: every first byte, then every second..."""
     return b"".join([packed[0::4], packed[1::4], packed[2::4], packed[3::4]])
 
 

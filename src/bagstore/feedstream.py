@@ -43,6 +43,7 @@ from operator import gt, itemgetter, le
 from typing import Any
 
 from bagstore.errors import ChangesLost
+from bagstore.feedpage import Positions, run_after, run_of
 from bagstore.rowsize import FIRST, OVERHEAD
 
 __all__ = ["Stream", "next_rows", "start"]
@@ -75,7 +76,8 @@ class Stream:
     oldest: bool
     #: the feed's epoch when it started
     epoch: int
-    #: positions after the last page returned (the cursor that goes on)
+    #: positions after the last page returned (the cursor that goes on; a
+    #: page's are :class:`bagstore.feedpage.Positions`, with their run)
     after: dict[int, int]
     #: of each bucket, the shard holding it as the buckets' positions last
     #: said; of each shard, the last position read of each bucket it holds
@@ -213,11 +215,19 @@ def next_rows(
         fresh = True
     page = _take(s, cuts, limit)
     # a new dict a page (the last one is the caller's, a cursor's), kept in
-    # bucket order (what a cursor's text is made from)
-    after = dict(s.after)
+    # bucket order, with the run its cursor's text is made of (of the last
+    # page's when the buckets are the same: the page's written into it)
+    after = Positions(s.after)
     known = len(after)
-    after.update(zip(map(_BUCKET, page), map(_POS, page), strict=True))
-    s.after = after if len(after) == known else dict(sorted(after.items()))
+    buckets, moved = list(map(_BUCKET, page)), list(map(_POS, page))
+    after.update(zip(buckets, moved, strict=True))
+    was = getattr(s.after, "run", None)
+    if len(after) != known:
+        after = Positions(sorted(after.items()))
+        after.run = run_of(after)
+    else:
+        after.run = run_of(after) if was is None else run_after(was, after, buckets, moved)
+    s.after = after
     return page
 
 
