@@ -485,45 +485,48 @@ def test_positions_of_any_shape_round_trip(
         max_size=300,
     ),
     pages=st.lists(
-        st.lists(
-            st.tuples(
-                st.integers(0, 299),
-                st.one_of(st.integers(0, 60), st.integers(0, 2**33)).filter(
-                    lambda v: v < 2**32 or v % 50 == 0
+        st.tuples(
+            st.booleans(),
+            st.lists(
+                st.tuples(
+                    st.integers(0, 299),
+                    st.one_of(st.integers(0, 60), st.integers(0, 2**33)).filter(
+                        lambda v: v < 2**32 or v % 50 == 0
+                    ),
                 ),
+                max_size=120,
             ),
-            max_size=120,
         ),
-        max_size=5,
+        max_size=6,
     ),
 )
 @example(first=2**32, values=[1, 2], pages=[])  # (a bucket number past 32 bits: no run)
 @settings(max_examples=300, deadline=None)
 def test_a_readers_run_makes_the_text_its_positions_make(
-    first: int, values: list[int | None], pages: list[list[tuple[int, int]]]
+    first: int, values: list[int | None], pages: list[tuple[bool, list[tuple[int, int]]]]
 ) -> None:
-    """A reader's positions, page after page, with the run its cursor's text
-    is made of (made from them, or the last page's with the page's buckets
-    written into it): the same text as the same positions in a plain dict,
-    and a run exactly where that text is one."""
+    """A reader's positions, page after page, whose cursor's text is made
+    (or not: a consumer's batch) from a run, made from them or from the last
+    page's run with the page's buckets written into it: the same text as the
+    same positions in a plain dict, from a run exactly where that text is
+    one."""
     positions = {first + i: v for i, v in enumerate(values) if v is not None}
     after = feedpage.Positions(sorted(positions.items()))
-    after.run = feedpage.run_of(after)
-    for page in [[], *pages]:
+    for text, page in [(True, []), *pages]:
         keys = list(after)
         buckets = [keys[i % len(keys)] for i, _ in page] if keys else []
         moved = [p for _, p in page][: len(buckets)]
         made = feedpage.Positions(after)
         made.update(zip(buckets, moved, strict=True))
-        was = after.run
-        made.run = (
-            feedpage.run_of(made) if was is None else feedpage.run_after(was, made, buckets, moved)
-        )
-        plain = feedpage.encode_positions(dict(made))
-        assert feedpage.encode_positions(made) == plain
-        if feedpage._RUNS:
-            assert (made.run is not None) == plain.startswith("~~")
-        assert feedpage.decode_positions(plain) == {b: p for b, p in made.items() if p}
+        made.base = (after.run, buckets, moved)  # (a stream's page: the same buckets)
+        if text:
+            plain = feedpage.encode_positions(dict(made))
+            assert feedpage.encode_positions(made) == plain
+            if feedpage._RUNS:
+                assert (made.run is not None) == plain.startswith("~~")
+            assert feedpage.decode_positions(plain) == {b: p for b, p in made.items() if p}
+        else:
+            assert made.run is None  # (made when a cursor is)
         after = made
 
 

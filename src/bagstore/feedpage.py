@@ -181,15 +181,31 @@ _RUN_SPAN = 2
 
 
 class Positions(dict[int, int]):
-    """Positions a reader's page ends at, never changed once made, with the
-    run of buckets their cursor's text is made of when the reader made it
-    beside them (:func:`run_of`, :func:`run_after`): ``run`` is ``(first,
-    data)``, the positions of buckets ``first`` on as 32-bit little-endian
-    ints, 0 where a bucket has none, so that a cursor of 1,024 buckets is
-    made without walking them; None (or not set) when not known."""
+    """Positions a reader's page ends at, never changed once made, that know
+    how the run of buckets their cursor's text is made of comes from the
+    last page's (:meth:`made_run`), so that a cursor of 1,024 buckets is made
+    without walking them.  ``base``: ``(run, buckets, moved)``, the last
+    page's run (None: not made) and the page's buckets and their positions,
+    written into it when a cursor is made (a consumer's batch makes none);
+    None when the buckets are not the last page's."""
 
-    __slots__ = ("run",)
-    run: tuple[int, bytes] | None
+    __slots__ = ("base", "run")
+
+    def __init__(self, positions: Iterable[tuple[int, int]] | dict[int, int]) -> None:
+        super().__init__(positions)
+        self.base: tuple[tuple[int, bytes] | None, Sequence[int], Sequence[int]] | None = None
+        self.run: tuple[int, bytes] | None = None
+
+    def made_run(self) -> tuple[int, bytes] | None:
+        """The run of these positions (:func:`run_of`), made once: from the
+        last page's when it was made, the page's buckets written into it."""
+        if self.run is None:
+            base, self.base = self.base, None
+            if base is not None and base[0] is not None:
+                self.run = run_after(base[0], self, base[1], base[2])
+            else:
+                self.run = run_of(self)
+        return self.run
 
 
 #: runs are made as arrays of 32-bit ints in little-endian order: where the
@@ -242,7 +258,7 @@ def encode_positions(positions: dict[int, int]) -> str:
     of 1,024 buckets is made at every page; a reader keeps its positions in
     bucket order, which is checked rather than sorted again).  A position
     of 0 is left out (as if not there)."""
-    made = getattr(positions, "run", None)  # (a reader's :class:`Positions`)
+    made = positions.made_run() if type(positions) is Positions else None
     if made is not None:
         return _RUN + _packed(_planes(struct.pack("<I", made[0]) + made[1]))
     run = _run(positions)

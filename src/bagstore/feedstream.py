@@ -43,7 +43,7 @@ from operator import gt, itemgetter, le
 from typing import Any
 
 from bagstore.errors import ChangesLost
-from bagstore.feedpage import Positions, run_after, run_of
+from bagstore.feedpage import Positions
 from bagstore.rowsize import FIRST, OVERHEAD
 
 __all__ = ["Stream", "next_rows", "start"]
@@ -77,7 +77,7 @@ class Stream:
     #: the feed's epoch when it started
     epoch: int
     #: positions after the last page returned (the cursor that goes on; a
-    #: page's are :class:`bagstore.feedpage.Positions`, with their run)
+    #: reader of every bucket's are :class:`bagstore.feedpage.Positions`)
     after: dict[int, int]
     #: of each bucket, the shard holding it as the buckets' positions last
     #: said; of each shard, the last position read of each bucket it holds
@@ -214,21 +214,29 @@ def next_rows(
         _begin(s, calls)
         fresh = True
     page = _take(s, cuts, limit)
-    # a new dict a page (the last one is the caller's, a cursor's), kept in
-    # bucket order, with the run its cursor's text is made of (of the last
-    # page's when the buckets are the same: the page's written into it)
-    after = Positions(s.after)
-    known = len(after)
-    buckets, moved = list(map(_BUCKET, page)), list(map(_POS, page))
-    after.update(zip(buckets, moved, strict=True))
-    was = getattr(s.after, "run", None)
-    if len(after) != known:
-        after = Positions(sorted(after.items()))
-        after.run = run_of(after)
-    else:
-        after.run = run_of(after) if was is None else run_after(was, after, buckets, moved)
-    s.after = after
+    s.after = _after(s.after, page, s.buckets is None)
     return page
+
+
+def _after(was: dict[int, int], page: list[tuple[Any, ...]], every: bool) -> dict[int, int]:
+    """The positions after ``page`` read from ``was``: a new dict a page (the
+    last one is the caller's, a cursor's), in bucket order.  A reader of
+    every bucket (a cursor's, made text at every page; not a consumer's)
+    makes its cursor's run from the last page's when the buckets are the
+    same, the page's written into it (:class:`bagstore.feedpage.Positions`)."""
+    if not every:
+        after = dict(was)
+        known = len(after)
+        after.update(zip(map(_BUCKET, page), map(_POS, page), strict=True))
+        return after if len(after) == known else dict(sorted(after.items()))
+    made = Positions(was)
+    buckets, moved = list(map(_BUCKET, page)), list(map(_POS, page))
+    made.update(zip(buckets, moved, strict=True))
+    if len(made) != len(was):
+        return Positions(sorted(made.items()))
+    if type(was) is Positions:
+        made.base = (was.run, buckets, moved)
+    return made
 
 
 def _cuts(s: Stream, bound: int | None) -> list[int]:
