@@ -256,8 +256,9 @@ def encode_positions(positions: dict[int, int]) -> str:
     bits, the normal case of a reader's positions; else bucket deltas and
     positions as 64-bit little-endian ints (C loops only, no JSON: a cursor
     of 1,024 buckets is made at every page; a reader keeps its positions in
-    bucket order, which is checked rather than sorted again).  A position
-    of 0 is left out (as if not there)."""
+    bucket order, which is checked rather than sorted again; a reader of
+    every bucket's :class:`Positions` give their run as made from the last
+    page's).  A position of 0 is left out (as if not there)."""
     made = positions.made_run() if type(positions) is Positions else None
     if made is not None:
         return _RUN + _packed(_planes(struct.pack("<I", made[0]) + made[1]))
