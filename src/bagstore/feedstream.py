@@ -38,8 +38,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import accumulate, chain, compress, islice, repeat
-from operator import gt, itemgetter, le
+from itertools import accumulate, chain, compress, repeat
+from operator import gt, itemgetter
 from typing import Any
 
 from bagstore.errors import ChangesLost
@@ -315,7 +315,9 @@ def _fetch(
     sample = rows[:: max(1, len(rows) // 32)]  # (a row's size, about)
     s.row_bytes = sum(map(len, filter(None, map(_BODY, sample)))) // len(sample) + OVERHEAD
     times = list(map(_UPDATED, rows))
-    grew = times[0] >= s.times[shard] and all(map(le, times, islice(times, 1, None)))
+    # (in order: sorted() finds one run, comparing ints in C, ~40% of the
+    # instructions of a pairwise check through map)
+    grew = times[0] >= s.times[shard] and times == sorted(times)
     if not grew:  # a shard's times went back: each row keyed by its running maximum
         times = list(accumulate(times, max, initial=s.times[shard]))
         del times[0]
