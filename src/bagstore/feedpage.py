@@ -185,26 +185,27 @@ class Positions(dict[int, int]):
     how the run of buckets their cursor's text is made of comes from the
     last page's (:meth:`made_run`), so that a cursor of 1,024 buckets is made
     without walking them.  ``base``: ``(run, buckets, moved)``, the last
-    page's run (None: not made) and the page's buckets and their positions,
-    written into it when a cursor is made (a consumer's batch makes none);
-    None when the buckets are not the last page's."""
+    page's run and the page's buckets and their positions, written into it
+    when a cursor is made (a consumer's batch makes none); None when the
+    buckets are not the last page's, or its run was not made."""
 
     __slots__ = ("base", "run")
 
     def __init__(self, positions: Iterable[tuple[int, int]] | dict[int, int]) -> None:
         super().__init__(positions)
-        self.base: tuple[tuple[int, bytes] | None, Sequence[int], Sequence[int]] | None = None
+        self.base: tuple[tuple[int, bytes], Sequence[int], Sequence[int]] | None = None
         self.run: tuple[int, bytes] | None = None
 
     def made_run(self) -> tuple[int, bytes] | None:
         """The run of these positions (:func:`run_of`), made once: from the
-        last page's when it was made, the page's buckets written into it."""
+        last page's when there is one, the page's buckets written into it."""
         if self.run is None:
             base, self.base = self.base, None
-            if base is not None and base[0] is not None:
-                self.run = run_after(base[0], self, base[1], base[2])
-            else:
+            if base is None:
                 self.run = run_of(self)
+            else:
+                run, buckets, moved = base
+                self.run = run_after(run, self, buckets, moved)
         return self.run
 
 

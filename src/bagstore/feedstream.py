@@ -234,7 +234,7 @@ def _after(was: dict[int, int], page: list[tuple[Any, ...]], every: bool) -> dic
     made.update(zip(buckets, moved, strict=True))
     if len(made) != len(was):
         return Positions(sorted(made.items()))
-    if type(was) is Positions:
+    if type(was) is Positions and was.run is not None:
         made.base = (was.run, buckets, moved)
     return made
 
