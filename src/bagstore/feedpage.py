@@ -232,6 +232,12 @@ def run_of(positions: dict[int, int]) -> tuple[int, bytes] | None:
         return None
 
 
+def written_into(run: tuple[int, bytes], rows: int) -> bool:
+    """Whether :func:`run_after` writes ``rows`` buckets into ``run`` (a few
+    of its buckets) rather than making the run afresh (a third or more)."""
+    return 3 * rows < len(run[1]) // 4
+
+
 def run_after(
     run: tuple[int, bytes], positions: dict[int, int], buckets: Sequence[int], moved: Sequence[int]
 ) -> tuple[int, bytes] | None:
@@ -240,7 +246,7 @@ def run_after(
     one of a bucket counting; the few written where they lie, else made
     afresh (:func:`run_of`)."""
     first, data = run
-    if 3 * len(buckets) >= len(data) // 4:
+    if not written_into(run, len(buckets)):
         return run_of(positions)
     ints = array("I")
     ints.frombytes(data)
