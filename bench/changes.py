@@ -114,6 +114,7 @@ from bench.common import (
     fresh_shards,
     friendfeed_entity,
     paired,
+    rows_of,
     run_suite,
     suite_args,
 )
@@ -330,22 +331,52 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         assert n == total, (n, total)
         return n / (time.perf_counter() - t0)
 
-    def raw_by_sequence() -> float:
-        # SQLite: each shard's rows in the table's own order (its primary
-        # key, commit order), 1,000 a statement, each body decoded
+    def by_sequence(conn: Any, limit: int = 1000) -> Iterator[list[Any]]:
+        """SQLite: the kind's rows on one shard in the table's own order (its
+        primary key, commit order), ``limit`` a statement."""
         text = (f"SELECT bucket, pos, id, op, version, updated, body, seq FROM {_CHANGES} "
-                "WHERE kind = ? AND seq > ? ORDER BY seq LIMIT 1000")  # fmt: skip
+                "WHERE kind = ? AND seq > ? ORDER BY seq LIMIT ?")  # fmt: skip
+        seq = 0
+        while True:
+            got = conn.execute(text, ("readme", seq, limit)).fetchall()
+            yield got
+            if len(got) < limit:
+                break
+            seq = got[-1][7]
+
+    def raw_by_sequence() -> float:
+        # SQLite: each shard's rows by the table's key, each body decoded
         n, t0 = 0, time.perf_counter()
         for conn in conns:
-            seq = 0
-            while True:
-                got = conn.execute(text, ("readme", seq)).fetchall()
+            for got in by_sequence(conn):
                 for r in got:
                     codec.decode(r[6])
                 n += len(got)
-                if len(got) < 1000:
-                    break
-                seq = got[-1][7]
+        assert n == total, (n, total)
+        return n / (time.perf_counter() - t0)
+
+    # A consumer by hand checkpoints where it stands after each batch it
+    # handled, one row written and committed a batch (on the first shard, as
+    # bagstore's catalog is).
+    mark = "?" if sqlite else "%s"
+    rows_of(conns[0], "CREATE TABLE IF NOT EXISTS bench_checkpoints (name VARCHAR(64) NOT NULL "
+            "PRIMARY KEY, at VARCHAR(64) NOT NULL)")  # fmt: skip
+    rows_of(conns[0], "DELETE FROM bench_checkpoints")
+    rows_of(conns[0], f"INSERT INTO bench_checkpoints VALUES ({mark}, '')", ["raw"])
+    checkpoint = f"UPDATE bench_checkpoints SET at = {mark} WHERE name = {mark}"
+
+    def raw_consumer(batch: int) -> float:
+        # by the table's key on SQLite, by position on MariaDB (each the
+        # faster raw read), ``batch`` rows a statement: each batch's bodies
+        # decoded (its handler), then its last row's place checkpointed
+        n, t0 = 0, time.perf_counter()
+        for i, conn in enumerate(conns):
+            for got in by_sequence(conn, batch) if sqlite else fetched(conn, limit=batch):
+                for r in got:
+                    codec.decode(r[6])
+                if got:
+                    rows_of(conns[0], checkpoint, [f"{i}.{got[-1][0]}.{got[-1][1]}", "raw"])
+                n += len(got)
         assert n == total, (n, total)
         return n / (time.perf_counter() - t0)
 
@@ -418,6 +449,8 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         "bag100": lambda: bag_all(100),
         "consumer100": lambda: consumer_all(100),
         "raw100": lambda: raw_all(limit=100),
+        "hand": lambda: raw_consumer(1000),
+        "hand100": lambda: raw_consumer(100),
     }
     if backend == "mysql":
         sides["packed"] = lambda: raw_all(packed=True)
@@ -425,6 +458,7 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
         sides["sequence"] = raw_sequence
         sides["rawseq"] = raw_by_sequence
     r = alternate(sides, rounds)
+    hand_order = "by the table's key" if sqlite else "by position"
     for conn in conns:
         conn.close()
     ds.close()
@@ -442,6 +476,12 @@ def read_speed(backend: str, shards: Shards, total: int, rounds: int, buckets: i
                f"({buckets:,} buckets)", r["bag100"], r["raw100"], goal="report"),
         paired(f"{backend}: a consumer's polls, batches of 100 (the default) vs raw by position "
                f"100 rows a statement ({buckets:,} buckets)", r["consumer100"], r["raw100"],
+               goal="report"),
+        paired(f"{backend}: a consumer's polls (batches of 1,000) vs a consumer by hand: raw "
+               f"{hand_order}, each batch checkpointed, one UPDATE committed ({buckets:,} "
+               "buckets)", r["consumer"], r["hand"], goal="report"),
+        paired(f"{backend}: a consumer's polls, batches of 100 (the default) vs the consumer by "
+               f"hand, batches of 100 ({buckets:,} buckets)", r["consumer100"], r["hand100"],
                goal="report"),
     ]  # fmt: skip
     if sqlite:
