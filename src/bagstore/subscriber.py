@@ -55,13 +55,24 @@ RANGES = 16
 #: the ranges it handled (and at its end); a batch's leases are renewed
 #: before it is handled whatever
 CHECKPOINT_EVERY = 1.0
+#: SQLite: changes read at a time (at least a batch; at most the batches the
+#: poll may still handle), handed to the handler a batch at a time
+READ_TOGETHER = 1000
 CONSUMERS, RANGE_ROWS, MEMBERS = (
     "bagstore_consumers",
     "bagstore_consumer_ranges",
     "bagstore_consumer_members",
 )
 Handler = Callable[[list[Change]], Any]
-_BUCKET = itemgetter(0)
+_BUCKET, _POSITION = itemgetter(0), itemgetter(1)
+
+
+def _moved(positions: dict[int, int], changes: list[Change]) -> dict[int, int]:
+    """``positions`` (in bucket order) moved on past ``changes``: a new dict,
+    in bucket order."""
+    out = dict(positions)
+    out.update(zip(map(_BUCKET, changes), map(_POSITION, changes), strict=True))
+    return out if len(out) == len(positions) else dict(sorted(out.items()))
 
 
 def _now() -> int:
@@ -309,64 +320,90 @@ class Subscriber:
         a batch at a time in the feed's order, at most one a range held; each
         batch's ranges' leases renewed before it is handled (one statement;
         its changes of a range lost meanwhile dropped: delivered again to the
-        range's new holder).  The ranges handled are checkpointed with a
+        range's new holder).  Up to :data:`READ_TOGETHER` changes (of the
+        batches the poll may still handle) are read at a time and handed out
+        a batch at a time: what a read costs beyond its rows is paid once for
+        them.  The ranges handled are checkpointed with a
         batch's renewal once :data:`CHECKPOINT_EVERY` seconds have passed
         since the last checkpoint, and at the end of the poll: a batch spans
         many ranges, and a range's positions are written whole."""
         handled = 0
         pending: set[int] = set()  # ranges handled, not checkpointed yet
-        last: dict[int, int] = {}  # every range's positions after the last batch
+        # every range's positions before the last read (``start``) and after
+        # it (``end``, the feed's: a read from it goes on), and how many of
+        # its changes (``read``) were handled
+        start: dict[int, int] = {}
+        read: list[Change] = []
+        end: dict[int, int] = {}
+        done = 0
         written = time.monotonic()
         of = self._range_of
+
+        def now() -> dict[int, int]:  # the positions after the changes handled
+            return start if not done else end if done == len(read) else _moved(start, read[:done])
+
         try:
-            for _ in range(len(self.held)):
+            rounds = len(self.held)
+            for left in range(rounds, 0, -1):
                 if not self.held:
                     break
                 held = tuple(sorted(self.held))
                 for epoch in {self.epochs[no] for no in held}:
                     self.feed.check_epoch(epoch, f"consumer {self.name!r}")
-                if not last:
-                    for no in held:
-                        last.update(self.held[no])
-                buckets = self._buckets_of(held)
-                changes, after = self.feed.read(last, self.batch, buckets, who=self.name)
-                if not changes:
-                    break
+                if done == len(read):  # all handled: read on from after them
+                    start = end if read else start
+                    if not start:
+                        for no in held:
+                            start.update(self.held[no])
+                    buckets = self._buckets_of(held)
+                    most = min(self.batch * left, max(self.batch, READ_TOGETHER))
+                    read, end = self.feed.read(start, most, buckets, who=self.name)
+                    done = 0
+                    if not read:
+                        break
+                changes = read[done : done + self.batch]
                 touched = sorted(set(map(of.__getitem__, set(map(_BUCKET, changes)))))
                 if pending and time.monotonic() - written >= CHECKPOINT_EVERY:
-                    kept = self._checkpoints(self._slices(last, pending), renew=touched)
+                    kept = self._checkpoints(self._slices(now(), pending), renew=touched)
                     pending, written = set(), time.monotonic()
                 else:
                     kept = self._checkpoints({}, renew=touched)
+                afresh = None
                 if len(kept) < len(touched) or len(self.held) < len(held):
                     # ranges lost meanwhile: their changes not handled, the
                     # others' checkpointed now, the positions read afresh
+                    # (the changes read after this batch read again)
+                    before = now()
                     pending &= set(self.held)
                     if pending:
-                        self._checkpoints(self._slices(last, pending))
+                        self._checkpoints(self._slices(before, pending))
                         pending, written = set(), time.monotonic()
+                    after = _moved(before, changes)
                     changes = [c for c in changes if of[c[0]] in kept]
-                    after = {b: p for b, p in after.items() if of[b] in self.held}
                     if not changes:
-                        last = {}
+                        start, read, end, done = {}, [], {}, 0
                         continue
+                    afresh = {b: p for b, p in after.items() if of[b] in self.held}
                 self._in_handler = True
                 self.handler(changes)
                 self._in_handler = False
                 handled += len(changes)
                 pending |= set(kept)
-                last = after
-                if len(changes) < self.batch:
+                if afresh is not None:
+                    start, read, end, done = afresh, [], {}, 0
+                    continue
+                done += len(changes)
+                if done == len(read) and len(read) < most:
                     break  # read to the positions the feed knows
         except BaseException:
-            if pending:  # (a later read failed)
+            if pending:  # (a later read failed, or a handler)
                 try:
-                    self._checkpoints(self._slices(last, pending))
+                    self._checkpoints(self._slices(now(), pending))
                 except Exception:
                     log.warning("consumer %s: a checkpoint failed", self.name, exc_info=True)
             raise
         if pending:
-            self._checkpoints(self._slices(last, pending))
+            self._checkpoints(self._slices(now(), pending))
         return handled
 
     def _slices(self, positions: dict[int, int], ranges: set[int]) -> dict[int, dict[int, int]]:
