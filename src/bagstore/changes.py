@@ -318,9 +318,8 @@ class Feed:
         while len(sessions) >= _SESSIONS and key not in sessions:
             sessions.pop(next(iter(sessions.copy()), None), None)
         sessions[key] = session
-        # (a stream's positions are a new dict a page, never changed after)
-        after = session.after if isinstance(session, feedstream.Stream) else dict(session.after)
-        return page_changes(rows, self.kind), after
+        # (a new dict a page, never changed after)
+        return page_changes(rows, self.kind), session.after
 
     def in_commit_order(self) -> bool:
         """Whether every shard keeps its change rows in commit order (SQLite,

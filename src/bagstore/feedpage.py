@@ -14,7 +14,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, chain, compress, repeat
-from operator import gt, setitem, sub
+from operator import gt, itemgetter, setitem, sub
 from typing import Any, cast
 
 from bagstore import codec
@@ -207,6 +207,37 @@ class Positions(dict[int, int]):
                 run, buckets, moved = base
                 self.run = run_after(run, self, buckets, moved)
         return self.run
+
+
+def positions_after(
+    was: dict[int, int], rows: list[tuple[Any, ...]], every: bool
+) -> dict[int, int]:
+    """The positions after change ``rows`` read from ``was`` (in bucket
+    order): a new dict a page, in bucket order, never changed once made (the
+    last one is a cursor's, or a consumer's).  A reader of every bucket (a
+    cursor's, made text at every page; not a consumer's) gets
+    :class:`Positions`, whose run is made from the last page's when the
+    buckets are the same and the page's are few (:func:`written_into`)."""
+    if not every:
+        after = dict(was)
+        known = len(after)
+        after.update(zip(map(_ROW_BUCKET, rows), map(_ROW_POS, rows), strict=True))
+        return after if len(after) == known else dict(sorted(after.items()))
+    made = Positions(was)
+    run = was.run if type(was) is Positions else None
+    if run is None or not written_into(run, len(rows)):
+        # (its run made afresh, not from the last page's: no lists kept)
+        made.update(zip(map(_ROW_BUCKET, rows), map(_ROW_POS, rows), strict=True))
+        return made if len(made) == len(was) else Positions(sorted(made.items()))
+    buckets, moved = list(map(_ROW_BUCKET, rows)), list(map(_ROW_POS, rows))
+    made.update(zip(buckets, moved, strict=True))
+    if len(made) != len(was):
+        return Positions(sorted(made.items()))
+    made.base = (run, buckets, moved)
+    return made
+
+
+_ROW_BUCKET, _ROW_POS = itemgetter(0), itemgetter(1)
 
 
 #: runs are made as arrays of 32-bit ints in little-endian order: where the

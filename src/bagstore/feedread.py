@@ -47,6 +47,7 @@ from operator import add, gt, itemgetter, lshift, lt, or_, sub
 from typing import Any, cast
 
 from bagstore.errors import ChangesLost
+from bagstore.feedpage import positions_after
 
 __all__ = ["Session", "next_rows"]
 
@@ -119,7 +120,7 @@ class Session:
             # (a set compared with itself is walked: ~3 us at 1,024 buckets)
             and (self.buckets is buckets or self.buckets == buckets)
             and (self.oldest or not oldest)
-            and positions == self.after
+            and (positions is self.after or positions == self.after)
         )
 
     def held_rows(self) -> int:
@@ -165,6 +166,8 @@ def _refresh(s: Session, holders: Holders, pruned: Pruned) -> None:
                 blocked.append(_key(high, b))
         heapq.heapify(blocked)
         return
+    if s.oldest:  # (changed below: the positions a page returned are never changed)
+        after = s.after = dict(after)
     for b, (top, low, _) in ends.items():
         at = read_to.get(b)
         if at is None:
@@ -260,12 +263,7 @@ def next_rows(
         del s.keys[:n]
         if not s.keys:
             s.keys = None
-    after = dict(s.after)
-    known = len(after)
-    after.update(zip(map(_BUCKET, rows), map(_POS, rows), strict=True))  # no pair a row kept
-    if len(after) > known:  # buckets new to it: kept in order (a cursor sorts them)
-        after = dict(sorted(after.items()))
-    s.after = after
+    s.after = positions_after(s.after, rows, s.buckets is None)
     return rows
 
 

@@ -43,7 +43,7 @@ from operator import gt, itemgetter
 from typing import Any
 
 from bagstore.errors import ChangesLost
-from bagstore.feedpage import Positions, written_into
+from bagstore.feedpage import positions_after
 from bagstore.rowsize import FIRST, OVERHEAD
 
 __all__ = ["Stream", "next_rows", "start"]
@@ -215,34 +215,8 @@ def next_rows(
         _begin(s, calls)
         fresh = True
     page = _take(s, cuts, limit)
-    s.after = _after(s.after, page, s.buckets is None)
+    s.after = positions_after(s.after, page, s.buckets is None)
     return page
-
-
-def _after(was: dict[int, int], page: list[tuple[Any, ...]], every: bool) -> dict[int, int]:
-    """The positions after ``page`` read from ``was``: a new dict a page (the
-    last one is the caller's, a cursor's), in bucket order.  A reader of
-    every bucket (a cursor's, made text at every page; not a consumer's)
-    makes its cursor's run from the last page's when the buckets are the
-    same, the page's written into it (:class:`bagstore.feedpage.Positions`),
-    when they are few (:func:`bagstore.feedpage.written_into`)."""
-    if not every:
-        after = dict(was)
-        known = len(after)
-        after.update(zip(map(_BUCKET, page), map(_POS, page), strict=True))
-        return after if len(after) == known else dict(sorted(after.items()))
-    made = Positions(was)
-    run = was.run if type(was) is Positions else None
-    if run is None or not written_into(run, len(page)):
-        # (its run made afresh, not from the last page's: no lists kept)
-        made.update(zip(map(_BUCKET, page), map(_POS, page), strict=True))
-        return made if len(made) == len(was) else Positions(sorted(made.items()))
-    buckets, moved = list(map(_BUCKET, page)), list(map(_POS, page))
-    made.update(zip(buckets, moved, strict=True))
-    if len(made) != len(was):
-        return Positions(sorted(made.items()))
-    made.base = (run, buckets, moved)
-    return made
 
 
 def _cuts(s: Stream, bound: int | None) -> list[int]:
