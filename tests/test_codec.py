@@ -395,6 +395,47 @@ def test_any_single_byte_corruption_is_detected(entity: dict[str, Any], data: An
     assert_refused_or_unchanged(bytes(body), entity)
 
 
+_READ = codec.body_reader(0, lambda row: "the row")
+
+
+def _read_agrees_with_decode(body: Any) -> None:
+    """body_reader's row read decodes what decode() does, and refuses what it
+    refuses, with decode()'s message after its own lead."""
+    try:
+        want = decode(body)
+    except InvalidEntity as e:
+        with pytest.raises(InvalidEntity) as caught:
+            _READ((body,))
+        assert str(caught.value) == f"the row: {e}"
+        return
+    assert_identical(_READ((body,)), want)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(entities, st.data())
+def test_a_row_s_body_read_is_decode_s_whole_or_damaged(entity: dict[str, Any], data: Any) -> None:
+    body = encode(entity)
+    _read_agrees_with_decode(body)
+    damaged = bytearray(body)
+    position = data.draw(st.integers(0, len(body) - 1))
+    damaged[position] ^= data.draw(st.integers(1, 255))
+    _read_agrees_with_decode(bytes(damaged))
+    _read_agrees_with_decode(bytes(damaged[: data.draw(st.integers(0, len(body)))]))
+    _read_agrees_with_decode(bytearray(body))  # (not bytes: decode()'s own path)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=64), st.binary(max_size=64).map(lambda b: b"\x01" + b)))
+def test_a_row_s_body_read_is_decode_s_for_any_bytes(body: bytes) -> None:
+    _read_agrees_with_decode(body)
+    with_crc = b"\x01" + body + zlib.crc32(body).to_bytes(4, "little")  # msgpack or not
+    _read_agrees_with_decode(with_crc)
+
+
+def test_a_row_s_missing_body_reads_as_none() -> None:
+    assert _READ((None,)) is None
+
+
 def assert_refused_or_unchanged(corrupt: bytes, entity: dict[str, Any]) -> None:
     """A damaged body raises InvalidEntity -- or, only when the damage hit bits zstd
     ignores (the frame header's unused bit, unused bits of a Huffman header), decodes to

@@ -60,6 +60,7 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
+from collections.abc import Callable, Sequence
 from datetime import UTC, date, datetime, time, timedelta, timezone, tzinfo
 from decimal import Decimal
 from typing import Any, cast
@@ -90,6 +91,7 @@ __all__ = [
     "MAX_DEPTH",
     "ZSTD_LEVEL",
     "body_limit",
+    "body_reader",
     "decode",
     "encode",
 ]
@@ -545,6 +547,48 @@ def decode(data: bytes | bytearray | memoryview, *, checksum: bool = True) -> di
         raise InvalidEntity(f"corrupt body: holds a {_type_name(entity)}, not a dict")
     result: dict[str, Any] = entity
     return result
+
+
+def body_reader(
+    index: int, where: Callable[[Any], str]
+) -> Callable[[Sequence[Any]], dict[str, Any] | None]:
+    """A function of a row (a sequence) that decodes its body at ``index`` as
+    :func:`decode` does (None stays None), for a property read once a row
+    for thousands of rows: the usual body (msgpack and its CRC) is decoded
+    in the function itself, not by a second call (~50 ns a row), any other
+    by :func:`decode`.  A body that cannot be decoded raises
+    :class:`~bagstore.errors.InvalidEntity`, its message led by ``where(row)``.
+
+        >>> read = body_reader(1, lambda row: f"row {row[0]}")
+        >>> read((7, encode({"n": 1}))), read((8, None))
+        ({'n': 1}, None)
+        >>> read((9, b"\\x01junk"))
+        Traceback (most recent call last):
+        ...
+        bagstore.errors.InvalidEntity: row 9: corrupt body: checksum mismatch (format 0x01, 5 bytes)
+    """
+
+    def read(row: Sequence[Any]) -> dict[str, Any] | None:
+        data = row[index]
+        if data is None:
+            return None
+        if type(data) is bytes and len(data) >= 6 and data[0] == FORMAT_MSGPACK:
+            payload = data[1:-4]
+            if zlib.crc32(payload) == int.from_bytes(data[-4:], "little"):
+                try:  # (as decode() unpacks; anything amiss is decode()'s to say)
+                    entity = msgpack.unpackb(
+                        payload, ext_hook=_ext_hook, timestamp=3, unicode_errors="surrogatepass"
+                    )
+                except Exception:
+                    entity = None
+                if type(entity) is dict:
+                    return cast("dict[str, Any]", entity)
+        try:
+            return decode(data)
+        except InvalidEntity as e:
+            raise InvalidEntity(f"{where(row)}: {e}") from e
+
+    return read
 
 
 def body_limit(value: object) -> int:

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 from bagstore import codec
 from bagstore.backends import changesql as sql
-from bagstore.errors import InvalidEntity, InvalidQuery
+from bagstore.errors import InvalidQuery
 
 __all__ = [
     "Change",
@@ -82,18 +82,17 @@ class Change(tuple[Any, ...]):
     def updated(self) -> int:
         return self[5]  # type: ignore[no-any-return]
 
-    @property
-    def entity(self) -> dict[str, Any] | None:
-        body = self[6]
-        if body is None:
-            return None
-        try:
-            return _decode(body)
-        except InvalidEntity as e:
-            raise InvalidEntity(
-                f"the body of change {self[1]} of bucket {self[0]} of kind {self.kind!r} "
-                f"(entity {self[2].hex()}) cannot be decoded: {e}"
-            ) from e
+    entity = property(
+        codec.body_reader(
+            6,
+            lambda c: (
+                f"the body of change {c[1]} of bucket {c[0]} of kind {c.kind!r} "
+                f"(entity {c[2].hex()}) cannot be decoded"
+            ),
+        ),
+        doc="the body after a put (a new dict each read), None for a delete or "
+        "when the kind records no bodies",
+    )
 
     @property
     def bucket(self) -> int:
@@ -111,7 +110,6 @@ class Change(tuple[Any, ...]):
         )
 
 
-_decode = codec.decode
 _OPS = {sql.PUT: "put", sql.DELETE: "delete"}
 
 
