@@ -505,28 +505,29 @@ def test_positions_of_any_shape_round_trip(
 def test_a_readers_run_makes_the_text_its_positions_make(
     first: int, values: list[int | None], pages: list[tuple[bool, list[tuple[int, int]]]]
 ) -> None:
-    """A reader's positions, page after page, whose cursor's text is made
-    (or not: a consumer's batch) from a run, made from them or from the last
-    page's run with the page's buckets written into it: the same text as the
-    same positions in a plain dict, from a run exactly where that text is
-    one."""
+    """A reader's positions, page after page (feedpage.positions_after),
+    whose cursor's text is made (or not: a consumer's batch) from a run, made
+    from them or from the last page's run with the page's buckets written
+    into it: the same text as the same positions in a plain dict, from a run
+    exactly where that text is one; an empty page's are the last page's."""
     positions = {first + i: v for i, v in enumerate(values) if v is not None}
     after = feedpage.Positions(sorted(positions.items()))
     for text, page in [(True, []), *pages]:
         keys = list(after)
         buckets = [keys[i % len(keys)] for i, _ in page] if keys else []
         moved = [p for _, p in page][: len(buckets)]
-        made = feedpage.Positions(after)
-        made.update(zip(buckets, moved, strict=True))
-        if after.run is not None:  # (a stream's page: the same buckets)
-            made.base = (after.run, buckets, moved)
+        made = feedpage.positions_after(after, list(zip(buckets, moved, strict=True)), True)
+        assert isinstance(made, feedpage.Positions)
+        assert made == {**after, **dict(zip(buckets, moved, strict=True))}
+        if not buckets:
+            assert made is after  # (an empty page: the same, its run kept)
         if text:
             plain = feedpage.encode_positions(dict(made))
             assert feedpage.encode_positions(made) == plain
             if feedpage._RUNS:
                 assert (made.run is not None) == plain.startswith("~~")
             assert feedpage.decode_positions(plain) == {b: p for b, p in made.items() if p}
-        else:
+        elif made is not after:
             assert made.run is None  # (made when a cursor is)
         after = made
 

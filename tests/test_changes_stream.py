@@ -342,6 +342,7 @@ def test_changes_pruned_behind_the_reader_are_told_once_every_shard_is_read() ->
     with pytest.raises(bagstore.ChangesPruned, match="bucket 0 at 2, pruned to 4"):
         while page := feedstream.next_rows(s, 1000, shards.fetch, calls):
             got += [(r[0], r[1]) for r in page]
+    assert not {(0, 3), (0, 4)} & set(got)  # (the pruned changes never handed out)
 
 
 def test_a_position_missing_from_a_bucket_s_rows_is_lost_not_skipped() -> None:

@@ -440,7 +440,11 @@ class Feed:
         epoch = self.epoch() if epoch is None else epoch
         version = self.router.placement.version
         issued = self._issued
-        if issued is not None and issued[2:] == (epoch, version) and issued[1] == positions:
+        if (
+            issued is not None
+            and issued[2:] == (epoch, version)
+            and (issued[1] is positions or issued[1] == positions)
+        ):
             return issued[0]  # the same again (a reader at the feed's end)
         body = f"{version}.{epoch}.{encode_positions(positions)}"
         cursor = f"{_CURSOR_PREFIX}{body}.{self._mac(body)}"

@@ -215,7 +215,11 @@ def positions_after(
     last one is a cursor's, or a consumer's).  A reader of every bucket (a
     cursor's, made text at every page; not a consumer's) gets
     :class:`Positions`, whose run is made from the last page's when the
-    buckets are the same and the page's are few (:func:`written_into`)."""
+    buckets are the same and the page's are few (:func:`written_into`).
+    An empty page's are ``was`` itself (a reader at the feed's end: its
+    cursor the same again, its run kept)."""
+    if not rows:
+        return was
     if not every:
         after = dict(was)
         known = len(after)
