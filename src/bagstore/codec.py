@@ -552,12 +552,10 @@ def decode(data: bytes | bytearray | memoryview, *, checksum: bool = True) -> di
 def body_reader(
     index: int, where: Callable[[Any], str]
 ) -> Callable[[Sequence[Any]], dict[str, Any] | None]:
-    """A function of a row (a sequence) that decodes its body at ``index`` as
-    :func:`decode` does (None stays None), for a property read once a row
-    for thousands of rows: the usual body (msgpack and its CRC) is decoded
-    in the function itself, not by a second call (~50 ns a row), any other
-    by :func:`decode`.  A body that cannot be decoded raises
-    :class:`~bagstore.errors.InvalidEntity`, its message led by ``where(row)``.
+    """A function decoding a row's body at ``index`` as :func:`decode` does
+    (None stays None), for a property of rows read by the thousand: the usual
+    body (msgpack, its CRC) decoded in the function itself (a call fewer a
+    row), any other by :func:`decode`; InvalidEntity led by ``where(row)``.
 
         >>> read = body_reader(1, lambda row: f"row {row[0]}")
         >>> read((7, encode({"n": 1}))), read((8, None))
