@@ -434,10 +434,12 @@ class Subscriber:
         now = _now()
         # stamped with the epoch each range was read in, not the feed's now
         texts = {no: _stored(self.epochs[no], after) for no, after in done.items()}
-        asked = set(done) | set(renew)
         written = checkpoint_ranges(
             self.catalog, self.name, self.member, texts, now, renew, now + self.lease_us
         )
+        if not done and written == len(renew):
+            return set(renew)  # (a batch's renewal, every range still held: the usual)
+        asked = set(done) | set(renew)
         held = asked if written == len(asked) else self._owned() & asked
         for no in asked - held:
             if no in done:

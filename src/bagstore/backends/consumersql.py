@@ -4,6 +4,7 @@ processes (:mod:`bagstore.subscriber`); the feed's epoch."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -70,26 +71,32 @@ def checkpoint_ranges(
     checkpoints ``done`` (``{range: positions text}``, checkpointed at ``at``
     µs) and the leases of those ranges and of ``renew`` moved on to
     ``until`` (µs); the number of rows written (fewer when a lease was lost)."""
-    p = catalog.dialect.param
     ranges = sorted(set(done) | set(renew))
     params: list[Any] = []
-    texts = " ".join(f"WHEN {p} THEN {p}" for _ in done)
     for no, text in done.items():
         params += [no, text]
+    if done:
+        params += [*done, at]
+    params += [until, name, member, *ranges]
+    return catalog.execute(_checkpoint_text(catalog.dialect.param, len(done), len(ranges)), params)
+
+
+@functools.lru_cache(maxsize=256)
+def _checkpoint_text(p: str, done: int, ranges: int) -> str:
+    """:func:`checkpoint_ranges`' statement for ``done`` checkpoints and
+    ``ranges`` ranges in all (made once: a consumer writes one a batch)."""
     sets = [f"lease_until = {p}"]
     if done:
+        texts = " ".join([f"WHEN {p} THEN {p}"] * done)
         sets = [
             f"positions = CASE range_no {texts} ELSE positions END",
-            f"checkpointed = CASE WHEN range_no IN ({', '.join([p] * len(done))}) "
+            f"checkpointed = CASE WHEN range_no IN ({', '.join([p] * done)}) "
             f"THEN {p} ELSE checkpointed END",
             *sets,
         ]
-        params += [*done, at]
-    params += [until, name, member, *ranges]
-    return catalog.execute(
+    return (
         f"UPDATE bagstore_consumer_ranges SET {', '.join(sets)} WHERE name = {p} "
-        f"AND owner = {p} AND range_no IN ({', '.join([p] * len(ranges))})",
-        params,
+        f"AND owner = {p} AND range_no IN ({', '.join([p] * ranges)})"
     )
 
 
