@@ -30,6 +30,7 @@ __all__ = [
     "decode_positions",
     "encode_positions",
     "page_changes",
+    "positions_after",
     "run_after",
     "run_of",
 ]
@@ -208,7 +209,7 @@ class Positions(dict[int, int]):
 
 
 def positions_after(
-    was: dict[int, int], rows: list[tuple[Any, ...]], every: bool
+    was: dict[int, int], rows: Sequence[tuple[Any, ...]], every: bool
 ) -> dict[int, int]:
     """The positions after change ``rows`` read from ``was`` (in bucket
     order): a new dict a page, in bucket order, never changed once made (the
@@ -220,23 +221,18 @@ def positions_after(
     cursor the same again, its run kept)."""
     if not rows:
         return was
-    if not every:
-        after = dict(was)
-        known = len(after)
-        after.update(zip(map(_ROW_BUCKET, rows), map(_ROW_POS, rows), strict=True))
-        return after if len(after) == known else dict(sorted(after.items()))
-    made = Positions(was)
-    run = was.run if type(was) is Positions else None
+    made = Positions(was) if every else dict(was)
+    run = was.run if every and type(was) is Positions else None
     if run is None or not written_into(run, len(rows)):
-        # (its run made afresh, not from the last page's: no lists kept)
+        # (no run to write into, or one made afresh: no lists kept)
         made.update(zip(map(_ROW_BUCKET, rows), map(_ROW_POS, rows), strict=True))
-        return made if len(made) == len(was) else Positions(sorted(made.items()))
-    buckets, moved = list(map(_ROW_BUCKET, rows)), list(map(_ROW_POS, rows))
-    made.update(zip(buckets, moved, strict=True))
-    if len(made) != len(was):
-        return Positions(sorted(made.items()))
-    made.base = (run, buckets, moved)
-    return made
+    else:
+        buckets, moved = list(map(_ROW_BUCKET, rows)), list(map(_ROW_POS, rows))
+        made.update(zip(buckets, moved, strict=True))
+        if len(made) == len(was):
+            cast("Positions", made).base = (run, buckets, moved)
+    # (buckets new to them: in bucket order again, what a cursor is made from)
+    return made if len(made) == len(was) else type(made)(sorted(made.items()))
 
 
 _ROW_BUCKET, _ROW_POS = itemgetter(0), itemgetter(1)

@@ -43,7 +43,7 @@ from typing import Any
 from bagstore.backends.consumersql import checkpoint_ranges, renew_leases
 from bagstore.changes import Feed
 from bagstore.errors import ConfigurationError, InvalidQuery
-from bagstore.feedpage import Change, decode_positions, encode_positions
+from bagstore.feedpage import Change, decode_positions, encode_positions, positions_after
 from bagstore.throttle import check_seconds
 
 __all__ = ["Subscriber", "consumer_lags", "drop_consumer", "reset_consumer"]
@@ -64,15 +64,7 @@ CONSUMERS, RANGE_ROWS, MEMBERS = (
     "bagstore_consumer_members",
 )
 Handler = Callable[[list[Change]], Any]
-_BUCKET, _POSITION = itemgetter(0), itemgetter(1)
-
-
-def _moved(positions: dict[int, int], changes: list[Change]) -> dict[int, int]:
-    """``positions`` (in bucket order) moved on past ``changes``: a new dict,
-    in bucket order."""
-    out = dict(positions)
-    out.update(zip(map(_BUCKET, changes), map(_POSITION, changes), strict=True))
-    return out if len(out) == len(positions) else dict(sorted(out.items()))
+_BUCKET = itemgetter(0)
 
 
 def _now() -> int:
@@ -340,7 +332,9 @@ class Subscriber:
         of = self._range_of
 
         def now() -> dict[int, int]:  # the positions after the changes handled
-            return start if not done else end if done == len(read) else _moved(start, read[:done])
+            if done == len(read):
+                return end if read else start
+            return positions_after(start, read[:done], False)  # (start itself at 0)
 
         try:
             rounds = len(self.held)
@@ -378,7 +372,7 @@ class Subscriber:
                     if pending:
                         self._checkpoints(self._slices(before, pending))
                         pending, written = set(), time.monotonic()
-                    after = _moved(before, changes)
+                    after = positions_after(before, changes, False)
                     changes = [c for c in changes if of[c[0]] in kept]
                     if not changes:
                         start, read, end, done = {}, [], {}, 0
