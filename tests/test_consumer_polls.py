@@ -7,6 +7,7 @@ a failover's epoch during a poll."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 import bagstore
+from bagstore import subscriber
 from bagstore.subscriber import RANGE_ROWS, RANGES, _loaded, range_buckets
 from tests.conftest import Topology
 
@@ -409,3 +411,43 @@ def test_a_checkpoint_keeps_the_epoch_its_batch_was_read_in(topo: Topology) -> N
         pass
     assert len(calls) == (16 if topo.is_mysql else 1)  # (SQLite: one batch of them all)
     again.close()
+
+
+def test_a_poll_goes_on_while_young_and_ends_at_a_read_s_end(
+    topo: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SQLite poll handles a batch a range held, then goes on a read at a
+    time while it has run less than POLL_SECONDS (a quarter of the lease at
+    most); a read begun is handled to its end (rows read are never dropped).
+    MariaDB's poll handles one batch a range, whatever POLL_SECONDS."""
+    ds = topo.open(buckets=64)
+    ds.feed.enable()
+    ds.put_many([{"n": i} for i in range(600)])
+    batches: list[int] = []
+    slow = {33: 0.5}  # seconds the handler takes at its nth batch (the 2nd poll's 17th)
+
+    def handler(changes: list[Any]) -> None:
+        batches.append(len(changes))
+        time.sleep(slow.get(len(batches), 0))
+
+    consumer = ds.subscribe("young", handler, batch=10)
+    consumer.balance()
+    assert len(consumer.held) == RANGES
+    monkeypatch.setattr(subscriber, "POLL_SECONDS", 0.0)
+    assert consumer.poll() == 160 and batches == [10] * 16  # a batch a range held
+    monkeypatch.setattr(subscriber, "POLL_SECONDS", 0.4)
+    # young at the 16th batch's end: one more read (of up to 1,000 changes:
+    # the 440 left), handled to its end though the poll grew old at its first
+    # batch (MariaDB: a batch a range again)
+    assert consumer.poll() == (160 if topo.is_mysql else 440)
+    consumer.close()
+
+    # a lease of 0.2 s: a poll goes on for 0.05 s at most
+    del batches[:]
+    slow.clear()
+    monkeypatch.setattr(subscriber, "POLL_SECONDS", 3600.0)
+    short = ds.subscribe("young-short", lambda c: (batches.append(len(c)), time.sleep(0.004)),
+                         batch=10, lease=0.2)  # fmt: skip
+    short.balance()
+    assert short.poll() == 160 and batches == [10] * 16
+    short.close()

@@ -58,6 +58,11 @@ CHECKPOINT_EVERY = 1.0
 #: SQLite: changes read at a time (at least a batch; at most the batches the
 #: poll may still handle), handed to the handler a batch at a time
 READ_TOGETHER = 1000
+#: SQLite: seconds a poll goes on reading and handling batches after its
+#: batch a range held (at most a quarter of the lease: the poll's heartbeat
+#: is its start), so that what a poll costs beyond its batches (the heartbeat,
+#: the leases' renewal, the last checkpoint) is paid once for many batches
+POLL_SECONDS = 0.1
 CONSUMERS, RANGE_ROWS, MEMBERS = (
     "bagstore_consumers",
     "bagstore_consumer_ranges",
@@ -309,8 +314,9 @@ class Subscriber:
     def _poll_together(self) -> int:
         """:meth:`poll` of a feed in commit order (SQLite): the ranges held read
         as one (each shard's rows read once for them all, not once a range),
-        a batch at a time in the feed's order, at most one a range held; each
-        batch's ranges' leases renewed before it is handled (one statement;
+        a batch at a time in the feed's order: a batch a range held, then more,
+        a read at a time, while the poll is younger than :data:`POLL_SECONDS`;
+        each batch's ranges' leases renewed before it is handled (one statement;
         its changes of a range lost meanwhile dropped: delivered again to the
         range's new holder).  Up to :data:`READ_TOGETHER` changes (of the
         batches the poll may still handle) are read at a time and handed out
@@ -336,11 +342,15 @@ class Subscriber:
                 return end if read else start
             return positions_after(start, read[:done], False)  # (start itself at 0)
 
+        # at least a batch a range held, then more while the poll is young
+        # (read and handled to a read's end: rows read are never dropped)
+        left = len(self.held)
+        young = time.monotonic() + min(POLL_SECONDS, self.lease_us / 4e6)
         try:
-            rounds = len(self.held)
-            for left in range(rounds, 0, -1):
-                if not self.held:
+            while self.held:
+                if left <= 0 and done == len(read) and time.monotonic() >= young:
                     break
+                left -= 1
                 held = tuple(sorted(self.held))
                 for epoch in {self.epochs[no] for no in held}:
                     self.feed.check_epoch(epoch, f"consumer {self.name!r}")
@@ -350,7 +360,9 @@ class Subscriber:
                         for no in held:
                             start.update(self.held[no])
                     buckets = self._buckets_of(held)
-                    most = min(self.batch * left, max(self.batch, READ_TOGETHER))
+                    most = max(self.batch, READ_TOGETHER)
+                    if left >= 0:  # (the poll's last batch a range held, or one before)
+                        most = min(self.batch * (left + 1), most)
                     read, end = self.feed.read(start, most, buckets, who=self.name)
                     done = 0
                     if not read:
