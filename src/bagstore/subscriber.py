@@ -368,7 +368,7 @@ class Subscriber:
                     if not read:
                         break
                 changes = read[done : done + self.batch]
-                touched = sorted(set(map(of.__getitem__, set(map(_BUCKET, changes)))))
+                touched = sorted(set(map(of.__getitem__, map(_BUCKET, changes))))
                 if pending and time.monotonic() - written >= CHECKPOINT_EVERY:
                     kept = self._checkpoints(self._slices(now(), pending), renew=touched)
                     pending, written = set(), time.monotonic()
