@@ -416,13 +416,15 @@ def test_a_checkpoint_keeps_the_epoch_its_batch_was_read_in(topo: Topology) -> N
 def test_a_poll_goes_on_while_young_and_ends_at_a_read_s_end(
     topo: Topology, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A SQLite poll handles a batch a range held, then goes on a read at a
-    time while it has run less than POLL_SECONDS (a quarter of the lease at
-    most); a read begun is handled to its end (rows read are never dropped).
-    MariaDB's poll handles one batch a range, whatever POLL_SECONDS."""
+    """A poll handles a batch a range held, then goes on while it has run
+    less than POLL_SECONDS (a quarter of the lease at most), and what it
+    began is handled to its end: on SQLite a read (up to 1,000 changes;
+    rows read are never dropped), on MariaDB a round of a batch of each
+    range whose last batch was whole."""
     ds = topo.open(buckets=64)
     ds.feed.enable()
-    ds.put_many([{"n": i} for i in range(600)])
+    for start in range(0, 1600, 400):  # ~100 changes a range, 30 at least
+        ds.put_many([{"n": i} for i in range(start, start + 400)])
     batches: list[int] = []
     slow = {33: 0.5}  # seconds the handler takes at its nth batch (the 2nd poll's 17th)
 
@@ -436,10 +438,11 @@ def test_a_poll_goes_on_while_young_and_ends_at_a_read_s_end(
     monkeypatch.setattr(subscriber, "POLL_SECONDS", 0.0)
     assert consumer.poll() == 160 and batches == [10] * 16  # a batch a range held
     monkeypatch.setattr(subscriber, "POLL_SECONDS", 0.4)
-    # young at the 16th batch's end: one more read (of up to 1,000 changes:
-    # the 440 left), handled to its end though the poll grew old at its first
-    # batch (MariaDB: a batch a range again)
-    assert consumer.poll() == (160 if topo.is_mysql else 440)
+    # young after its 16 batches: SQLite reads 1,000 more changes, MariaDB
+    # reads a batch of each range again, each handled to its end though the
+    # poll grew old at its 17th batch
+    assert consumer.poll() == (320 if topo.is_mysql else 1160)
+    assert batches == [10] * len(batches)
     consumer.close()
 
     # a lease of 0.2 s: a poll goes on for 0.05 s at most
@@ -451,3 +454,29 @@ def test_a_poll_goes_on_while_young_and_ends_at_a_read_s_end(
     short.balance()
     assert short.poll() == 160 and batches == [10] * 16
     short.close()
+
+
+def test_a_long_poll_of_one_range_reads_on_from_its_last_batch(
+    topo: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every change in one range: a poll that goes on reads that range's next
+    batch from after the last one handled, though its checkpoint waits for
+    the next batch's renewal (MariaDB: a round of one range after another).
+    Each change handled once."""
+    from bagstore.sharding.hashing import bucket_of
+
+    ds = topo.open(buckets=64)
+    ds.feed.enable()
+    ids: list[bytes] = []
+    while len(ids) < 45:
+        i = bagstore.new_id()
+        if bucket_of(i, 64) < 64 // RANGES:  # range 0
+            ids.append(ds.put({"id": i}))
+    handled: list[bytes] = []
+    consumer = ds.subscribe("one-range", lambda c: handled.extend(x.id for x in c), batch=10)
+    consumer.balance()
+    monkeypatch.setattr(subscriber, "POLL_SECONDS", 3600.0)
+    assert consumer.poll() == 45
+    assert sorted(handled) == sorted(ids) and len(set(handled)) == 45
+    assert consumer.poll() == 0
+    consumer.close()

@@ -58,10 +58,11 @@ CHECKPOINT_EVERY = 1.0
 #: SQLite: changes read at a time (at least a batch; at most the batches the
 #: poll may still handle), handed to the handler a batch at a time
 READ_TOGETHER = 1000
-#: SQLite: seconds a poll goes on reading and handling batches after its
-#: batch a range held (at most a quarter of the lease: the poll's heartbeat
-#: is its start), so that what a poll costs beyond its batches (the heartbeat,
-#: the leases' renewal, the last checkpoint) is paid once for many batches
+#: seconds a poll goes on reading and handling batches after its batch a
+#: range held (at most a quarter of the lease: the poll's heartbeat is its
+#: start), so that what a poll costs beyond its batches (the heartbeat, the
+#: leases' renewal, every bucket's position, the last checkpoint) is paid
+#: once for many batches
 POLL_SECONDS = 0.1
 CONSUMERS, RANGE_ROWS, MEMBERS = (
     "bagstore_consumers",
@@ -259,9 +260,10 @@ class Subscriber:
     # -- work ----------------------------------------------------------------------
     def poll(self) -> int:
         """One round: balance the leases, then the next changes of each range
-        held, in batches (each handled, then checkpointed).  Returns the
-        changes handled.  A handler's exception propagates; its batch's
-        position is not advanced."""
+        held, in batches (each handled, then checkpointed): a batch a range,
+        then more while the poll is younger than :data:`POLL_SECONDS`.
+        Returns the changes handled.  A handler's exception propagates; its
+        batch's position is not advanced."""
         self._in_handler = False
         self.balance()
         if self.held and self.feed.in_commit_order():
@@ -296,20 +298,35 @@ class Subscriber:
 
     def _read_ranges(self, ends: Any) -> Iterator[tuple[int, list[Change], dict[int, int]]]:
         """One batch of each range held, read a range at a time (``ends``: the
-        buckets' positions, read once for all of them)."""
-        for no in sorted(self.held):
-            if no not in self.held:
-                continue  # lost meanwhile
-            self.feed.check_epoch(self.epochs[no], f"consumer {self.name!r}")
-            changes, after = self.feed.read(
-                self.held[no],
-                self.batch,
-                range_buckets(self.buckets, self.ranges, no),
-                who=self.name,
-                ends=ends,
-            )
-            if changes:
-                yield no, changes, after
+        buckets' positions, read once for all of them); then, while the poll
+        is younger than :data:`POLL_SECONDS`, another of each range whose
+        last batch was whole, up to the same positions."""
+        young = time.monotonic() + min(POLL_SECONDS, self.lease_us / 4e6)
+        todo = sorted(self.held)
+        # where each range's next batch starts: after its last one handled
+        # (whose checkpoint is written with the next batch's renewal)
+        at: dict[int, dict[int, int]] = {}
+        while todo:
+            whole = []
+            for no in todo:
+                if no not in self.held:
+                    continue  # lost meanwhile
+                self.feed.check_epoch(self.epochs[no], f"consumer {self.name!r}")
+                changes, after = self.feed.read(
+                    at.get(no, self.held[no]),
+                    self.batch,
+                    range_buckets(self.buckets, self.ranges, no),
+                    who=self.name,
+                    ends=ends,
+                )
+                if changes:
+                    yield no, changes, after
+                    at[no] = after  # (handled, or its range lost: the generator goes on)
+                if len(changes) == self.batch:
+                    whole.append(no)
+            if time.monotonic() >= young:
+                break
+            todo = whole
 
     def _poll_together(self) -> int:
         """:meth:`poll` of a feed in commit order (SQLite): the ranges held read
