@@ -58,11 +58,9 @@ CHECKPOINT_EVERY = 1.0
 #: SQLite: changes read at a time (at least a batch; at most the batches the
 #: poll may still handle), handed to the handler a batch at a time
 READ_TOGETHER = 1000
-#: seconds a poll goes on reading and handling batches after its batch a
-#: range held (at most a quarter of the lease: the poll's heartbeat is its
-#: start), so that what a poll costs beyond its batches (the heartbeat, the
-#: leases' renewal, every bucket's position, the last checkpoint) is paid
-#: once for many batches
+#: seconds a poll goes on after its batch a range held, so that what a poll
+#: costs beyond its batches (heartbeat, renewals, positions, the last
+#: checkpoint) is paid once for many (:meth:`Subscriber._young_until`)
 POLL_SECONDS = 0.1
 CONSUMERS, RANGE_ROWS, MEMBERS = (
     "bagstore_consumers",
@@ -296,12 +294,18 @@ class Subscriber:
         self._checkpoints(done)
         return handled
 
+    def _young_until(self) -> float:
+        """When (``time.monotonic()``) a poll starting now stops going on past
+        its batch a range held: :data:`POLL_SECONDS` on, a quarter of the lease
+        at most (the poll's heartbeat is at its start)."""
+        return time.monotonic() + min(POLL_SECONDS, self.lease_us / 4e6)
+
     def _read_ranges(self, ends: Any) -> Iterator[tuple[int, list[Change], dict[int, int]]]:
         """One batch of each range held, read a range at a time (``ends``: the
         buckets' positions, read once for all of them); then, while the poll
         is younger than :data:`POLL_SECONDS`, another of each range whose
         last batch was whole, up to the same positions."""
-        young = time.monotonic() + min(POLL_SECONDS, self.lease_us / 4e6)
+        young = self._young_until()
         todo = sorted(self.held)
         # where each range's next batch starts: after its last one handled
         # (whose checkpoint is written with the next batch's renewal)
@@ -362,7 +366,7 @@ class Subscriber:
         # at least a batch a range held, then more while the poll is young
         # (read and handled to a read's end: rows read are never dropped)
         left = len(self.held)
-        young = time.monotonic() + min(POLL_SECONDS, self.lease_us / 4e6)
+        young = self._young_until()
         try:
             while self.held:
                 if left <= 0 and done == len(read) and time.monotonic() >= young:
@@ -378,7 +382,7 @@ class Subscriber:
                             start.update(self.held[no])
                     buckets = self._buckets_of(held)
                     most = max(self.batch, READ_TOGETHER)
-                    if left >= 0:  # (the poll's last batch a range held, or one before)
+                    if left >= 0:  # within its batch a range held: those left at most
                         most = min(self.batch * (left + 1), most)
                     read, end = self.feed.read(start, most, buckets, who=self.name)
                     done = 0
