@@ -480,3 +480,44 @@ def test_a_long_poll_of_one_range_reads_on_from_its_last_batch(
     assert sorted(handled) == sorted(ids) and len(set(handled)) == 45
     assert consumer.poll() == 0
     consumer.close()
+
+
+def test_a_lease_lost_while_a_poll_goes_on(topo: Topology, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range's lease taken by another process during the 17th batch's
+    handler (a poll going on past its batch a range): none of that range's
+    changes is handled after it, its checkpoint keeps none of that batch's
+    (delivered again to its holder), and every other change is handled once."""
+    ds = topo.open(buckets=64)
+    ds.feed.enable()
+    for start in range(0, 1600, 400):
+        ds.put_many([{"n": i} for i in range(start, start + 400)])
+    catalog = ds.feed.catalog
+    handled: list[list[Any]] = []
+    stolen: list[int] = []
+
+    def handler(changes: list[Any]) -> None:
+        handled.append(list(changes))
+        if len(handled) == 17:
+            stolen.append(_range_of(changes[0]))
+            catalog.update(
+                RANGE_ROWS,
+                {"owner": "elsewhere", "lease_until": 2**62},
+                {"name": "stolen", "range_no": stolen[0]},
+            )
+
+    monkeypatch.setattr(subscriber, "POLL_SECONDS", 3600.0)
+    consumer = ds.subscribe("stolen", handler, batch=10)
+    consumer.balance()
+    while consumer.poll():
+        pass
+    (lost,) = stolen
+    assert len(handled) > 17 and lost not in consumer.held
+    assert all(_range_of(c) != lost for batch in handled[17:] for c in batch)
+    kept = _checkpoints(ds, "stolen")[lost]
+    for c in handled[16]:
+        if _range_of(c) == lost:
+            assert kept.get(c.bucket, 0) < c.position
+    others = [c.id for batch in handled for c in batch if _range_of(c) != lost]
+    everything = ds.changes(limit=2000)
+    assert len(others) == len(set(others)) == sum(1 for c in everything if _range_of(c) != lost)
+    consumer.close()
