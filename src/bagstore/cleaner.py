@@ -27,7 +27,8 @@ should have with the rows that point at it (found through the ``entity_id`` key
 of every index table, on every shard): missing rows are written, stale ones
 deleted, and entities that changed during the pass are reconciled again.  A
 sweep over the index tables then removes rows whose entity no longer exists
-(and unique rows whose entity no longer holds the value).  A unique row goes
+(asking which exist, no body read) and unique rows whose entity no longer
+holds the value (their bodies read).  A unique row goes
 only when the claim rules let its value be taken over, and a bucket in an
 unfinished move is read from its owner's copy only (see :mod:`bagstore.owners`).
 ``follow()`` repeats repair from the last time it saw, so what a crash left is
@@ -492,9 +493,15 @@ class Cleaner:
         if not rows:
             return 0
         ids = list(dict.fromkeys(r[-1] for r in rows))
-        present = self.ds.fetch_many(ids)
-        size.read(len(present), sum(len(s.body) for s in present.values()))
-        gone = ids if index.unique else [i for i in ids if i not in present]
+        present: dict[bytes, Stored] = {}
+        if index.unique:  # (whether each entity still holds its value: its body)
+            present = self.ds.fetch_many(ids)
+            size.read(len(present), sum(len(s.body) for s in present.values()))
+            gone = ids
+        else:  # which entities exist: no body read, nor a page cut to the bodies' size
+            exists = self.ds.existing(ids)
+            size.read(len(ids), 0)
+            gone = [i for i in ids if i not in exists]
         if not gone:
             return 0
         backend, moves = self.router.backends[shard], self._moves

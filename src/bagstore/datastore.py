@@ -365,6 +365,11 @@ class Datastore:
         the index writer)."""
         return self._reads.fetch_many(ids)
 
+    def existing(self, ids: Iterable[bytes]) -> set[bytes]:
+        """The ids that exist, as their shards hold them now, past every cache
+        level, with no body read (for the Cleaner's sweep)."""
+        return self._reads.existing(ids)
+
     # -- queries (bagstore.queries) ------------------------------------------------
     def query_index(
         self,

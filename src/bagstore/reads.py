@@ -51,7 +51,11 @@ TOGETHER_MAX_IDS = 2000
 
 
 def read_bodies_together(
-    kind: str, parts: Sequence[tuple[Backend, Sequence[bytes]]], *, stamps: bool
+    kind: str,
+    parts: Sequence[tuple[Backend, Sequence[bytes]]],
+    *,
+    stamps: bool,
+    bodies: bool = True,
 ) -> list[tuple[Any, ...]]:
     """:meth:`Backend.read_bodies` of ids on several shards with one ``together``
     key, in one statement on the first shard's connection (one round trip
@@ -60,7 +64,9 @@ def read_bodies_together(
     selects: list[str] = []
     params: list[Any] = []
     for backend, ids in parts:
-        selects.append(lead.sql("select_bodies_sql", kind, len(ids), False, backend.schema, stamps))
+        selects.append(
+            lead.sql("select_bodies_sql", kind, len(ids), False, backend.schema, stamps, bodies)
+        )
         params.extend(ids)
     sql = lead.dialect.union_all_sql(selects)
     return lead.read_together(sql, params, [backend for backend, _ in parts])
@@ -207,30 +213,37 @@ class Reads:
         (what the cache layer keeps)."""
         return {r[0]: Stored(r[1], r[2], r[3]) for r in self.read_rows(ids, stamps=True)}
 
+    def existing(self, ids: Iterable[bytes]) -> set[bytes]:
+        """The ids that exist, as their shards hold them now (no body read)."""
+        return {r[0] for r in self.read_rows(ids, stamps=False, bodies=False)}
+
     def fetch_bodies(self, ids: Iterable[bytes]) -> dict[bytes, bytes]:
         """``{id: encoded body}`` of the ids that exist (reads with no cache level)."""
         return {r[0]: r[1] for r in self.read_rows(ids, stamps=False)}
 
     def read_rows(
-        self, ids: Iterable[bytes], *, stamps: bool, mode: str = "primary"
+        self, ids: Iterable[bytes], *, stamps: bool, mode: str = "primary", bodies: bool = True
     ) -> list[tuple[Any, ...]]:
         wanted = list(dict.fromkeys(ids))
         if mode != "primary":
-            return self._replica_rows(wanted, stamps, mode)
+            return self._replica_rows(wanted, stamps, mode, bodies)
         if not self.placer.keyed:  # the id names the bucket
             topology = self.router.topology
             sole = topology.sole_shard
             if sole is not None:  # and every bucket is on one shard
-                return topology.backends[sole].read_bodies(self.kind, wanted, stamps=stamps)
-            return self._rows_at(self.placer.locate(wanted), stamps)
-        rows = self._rows_at(self.placer.locate(wanted), stamps)
+                backend = topology.backends[sole]
+                return backend.read_bodies(self.kind, wanted, stamps=stamps, bodies=bodies)
+            return self._rows_at(self.placer.locate(wanted), stamps, bodies)
+        rows = self._rows_at(self.placer.locate(wanted), stamps, bodies)
         found = {r[0] for r in rows}
         lost = [i for i in wanted if i not in found]
         if lost:  # a stale or missing lookup row: look everywhere
-            rows += self._rows_at(self.placer.search(lost), stamps)
+            rows += self._rows_at(self.placer.search(lost), stamps, bodies)
         return rows
 
-    def _replica_rows(self, wanted: list[bytes], stamps: bool, mode: str) -> list[tuple[Any, ...]]:
+    def _replica_rows(
+        self, wanted: list[bytes], stamps: bool, mode: str, bodies: bool = True
+    ) -> list[tuple[Any, ...]]:
         """Rows read where ``mode`` says, one statement per shard (buckets and
         lookups from the primary; an id whose lookup row is missing is
         searched on the primaries)."""
@@ -243,7 +256,7 @@ class Reads:
         def read(shard: int) -> list[tuple[Any, ...]]:
             part = groups[shard]
             return router.read_on(
-                shard, lambda b: b.read_bodies(self.kind, part, stamps=stamps), mode
+                shard, lambda b: b.read_bodies(self.kind, part, stamps=stamps, bodies=bodies), mode
             )
 
         rows: list[tuple[Any, ...]] = []
@@ -253,10 +266,12 @@ class Reads:
             found = {r[0] for r in rows}
             lost = [i for i in wanted if i not in found]
             if lost:
-                rows += self._rows_at(self.placer.search(lost), stamps)
+                rows += self._rows_at(self.placer.search(lost), stamps, bodies)
         return rows
 
-    def _rows_at(self, where: Mapping[bytes, int], stamps: bool) -> list[tuple[Any, ...]]:
+    def _rows_at(
+        self, where: Mapping[bytes, int], stamps: bool, bodies: bool = True
+    ) -> list[tuple[Any, ...]]:
         """Rows (see ``Backend.read_bodies``) of ids whose buckets are known: one
         query per shard, or one for all the shards that share a server and
         login (see :func:`together`)."""
@@ -267,13 +282,14 @@ class Reads:
             groups[shard_of[bucket]].append(entity_id)
         if len(groups) == 1:
             ((shard, only),) = groups.items()
-            return backends[shard].read_bodies(self.kind, only, stamps=stamps)
+            return backends[shard].read_bodies(self.kind, only, stamps=stamps, bodies=bodies)
 
         def read(job: list[int]) -> list[tuple[Any, ...]]:
             if len(job) == 1:
-                return backends[job[0]].read_bodies(self.kind, groups[job[0]], stamps=stamps)
+                part = groups[job[0]]
+                return backends[job[0]].read_bodies(self.kind, part, stamps=stamps, bodies=bodies)
             parts = [(backends[k], groups[k]) for k in job]
-            return read_bodies_together(self.kind, parts, stamps=stamps)
+            return read_bodies_together(self.kind, parts, stamps=stamps, bodies=bodies)
 
         shards = list(groups)
         if len(where) <= TOGETHER_MAX_IDS:

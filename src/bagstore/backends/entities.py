@@ -170,14 +170,14 @@ class EntityOps:
         return {r[0]: Stored(r[1], r[2], r[3]) for r in self.read_bodies(kind, ids, stamps=True)}
 
     def read_bodies(
-        self, kind: str, ids: Sequence[bytes], *, stamps: bool
+        self, kind: str, ids: Sequence[bytes], *, stamps: bool, bodies: bool = True
     ) -> list[tuple[Any, ...]]:
         """Rows ``(id, body, version, updated)`` (``(id, body)`` without
-        ``stamps``) of the ids present on this shard, as the driver returns them:
-        bytes and ints."""
+        ``stamps``, no body without ``bodies``) of the ids present on this
+        shard, as the driver returns them: bytes and ints."""
         if not ids:
             return []
-        sql = self.sql("select_bodies_sql", kind, len(ids), False, None, stamps)
+        sql = self.sql("select_bodies_sql", kind, len(ids), False, None, stamps, bodies)
         return self.fetchall(sql, ids)
 
     def _chunks(self, rows: Sequence[EntityRow]) -> Iterator[Sequence[EntityRow]]:

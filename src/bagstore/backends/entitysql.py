@@ -121,13 +121,16 @@ class EntitySQL:
         lock: bool = False,
         schema: str | None = None,
         stamps: bool = True,
+        bodies: bool = True,
     ) -> str:
         """``SELECT id, body, version, updated`` of ``n`` ids (``id, body``
         without ``stamps``: a reader that needs only the bodies saves the
-        driver two columns of every row)."""
+        driver two columns of every row; without ``bodies`` no body either:
+        which ids exist)."""
         table = self.q(kind) if schema is None else f"{self.q(schema)}.{self.q(kind)}"
+        columns = f"id{', body' if bodies else ''}{', version, updated' if stamps else ''}"
         sql = (
-            f"SELECT id, body{', version, updated' if stamps else ''} FROM {table} WHERE id"
+            f"SELECT {columns} FROM {table} WHERE id"
             f"{' = ' + self.param if n == 1 else ' IN (' + self.params(n) + ')'}"
         )
         return sql + self.for_update if lock else sql
