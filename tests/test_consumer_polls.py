@@ -124,9 +124,7 @@ def test_balance_renews_the_leases_in_one_statement_and_finds_those_lost(
     after = leases()
     assert all(after[no][1] > before[no][1] for no in range(16))
     # range 3 taken by another process meanwhile
-    catalog.update(
-        RANGE_ROWS, {"owner": "elsewhere", "lease_until": 2**62}, {"name": "renewed", "range_no": 3}
-    )
+    _steal(ds, "renewed", 3)
     consumer.balance()
     assert sorted(consumer.held) == [no for no in range(16) if no != 3]
     now = leases()
@@ -145,6 +143,13 @@ def _checkpoints(ds: Any, name: str) -> dict[int, dict[int, int]]:
     """Each range's positions as the catalog holds them."""
     rows = ds.feed.catalog.select_all(RANGE_ROWS, ("range_no", "positions"), {"name": name})
     return {int(no): _loaded(str(text))[1] for no, text in rows}
+
+
+def _steal(ds: Any, name: str, no: int) -> None:
+    """Range ``no`` of consumer ``name`` taken by another process, for good."""
+    ds.feed.catalog.update(
+        RANGE_ROWS, {"owner": "elsewhere", "lease_until": 2**62}, {"name": name, "range_no": no}
+    )
 
 
 def test_a_batch_is_checkpointed_with_the_next_batch_s_lease_one_write_a_batch(
@@ -196,22 +201,15 @@ def test_a_lease_lost_between_batches_costs_neither_batch_its_guarantee(
     ds = topo.open(buckets=64)
     ds.feed.enable()
     ds.put_many([{"n": i} for i in range(300)])
-    catalog = ds.feed.catalog
     calls: list[int] = []
-
-    def steal(name: str, no: int) -> None:
-        catalog.update(
-            RANGE_ROWS, {"owner": "elsewhere", "lease_until": 2**62}, {"name": name, "range_no": no}
-        )
-
     if not topo.is_mysql:
-        _lease_lost_in_a_poll_together(ds, steal)
+        _lease_lost_in_a_poll_together(ds)
         return
 
     def next_handler(changes: list[Any]) -> None:
         calls.append(_range_of(changes[0]))
         if len(calls) == 1:
-            steal("next", calls[0] + 1)  # the next range's lease, before its batch
+            _steal(ds, "next", calls[0] + 1)  # the next range's lease, before its batch
 
     consumer = ds.subscribe("next", next_handler, batch=1000)
     consumer.balance()
@@ -228,7 +226,7 @@ def test_a_lease_lost_between_batches_costs_neither_batch_its_guarantee(
     def own_handler(changes: list[Any]) -> None:
         calls.append(_range_of(changes[0]))
         if len(calls) == 1:
-            steal("own", calls[0])  # its own lease, during its handler
+            _steal(ds, "own", calls[0])  # its own lease, during its handler
 
     consumer = ds.subscribe("own", own_handler, batch=1000)
     consumer.balance()
@@ -241,7 +239,7 @@ def test_a_lease_lost_between_batches_costs_neither_batch_its_guarantee(
     consumer.close()
 
 
-def _lease_lost_in_a_poll_together(ds: Any, steal: Any) -> None:
+def _lease_lost_in_a_poll_together(ds: Any) -> None:
     """SQLite (a feed in commit order: a consumer's ranges read together, a
     batch spanning them): a range's lease taken during a batch's handler is
     given up at the next batch's renewal; that range's changes of the batch
@@ -255,7 +253,7 @@ def _lease_lost_in_a_poll_together(ds: Any, steal: Any) -> None:
         handled.append(list(changes))
         if len(handled) == 1:
             stolen.append(_range_of(changes[0]))
-            steal("together", stolen[0])  # during the first batch
+            _steal(ds, "together", stolen[0])  # during the first batch
 
     consumer = ds.subscribe("together", handler, batch=50)
     consumer.balance()
@@ -491,7 +489,6 @@ def test_a_lease_lost_while_a_poll_goes_on(topo: Topology, monkeypatch: pytest.M
     ds.feed.enable()
     for start in range(0, 1600, 400):
         ds.put_many([{"n": i} for i in range(start, start + 400)])
-    catalog = ds.feed.catalog
     handled: list[list[Any]] = []
     stolen: list[int] = []
 
@@ -499,11 +496,7 @@ def test_a_lease_lost_while_a_poll_goes_on(topo: Topology, monkeypatch: pytest.M
         handled.append(list(changes))
         if len(handled) == 17:
             stolen.append(_range_of(changes[0]))
-            catalog.update(
-                RANGE_ROWS,
-                {"owner": "elsewhere", "lease_until": 2**62},
-                {"name": "stolen", "range_no": stolen[0]},
-            )
+            _steal(ds, "stolen", stolen[0])
 
     monkeypatch.setattr(subscriber, "POLL_SECONDS", 3600.0)
     consumer = ds.subscribe("stolen", handler, batch=10)
