@@ -244,7 +244,7 @@ def test_consumer_resumes_and_retries_a_failed_batch(topo: Topology) -> None:
     lag = ds.feed.consumers()
     assert lag == [
         {"name": "indexer", "kind": "entities", "lag_changes": 0, "lag_seconds": 0.0,
-         "processes": 1}
+         "lag_pruned": 0, "processes": 1}
     ]  # fmt: skip
     other: list[bytes] = []
     independent = ds.subscribe("mailer", lambda cs: other.extend(c.id for c in cs))
@@ -498,16 +498,23 @@ def test_retention_keeps_what_consumers_need_and_caps(topo: Topology) -> None:
     n = cleaner.prune_changes()
     kept = ds.changes(limit=100)
     assert 0 < len(kept) <= 2 * 4 and n == 20 - len(kept)
+    time.sleep(0.05)
+    lags = {c["name"]: c for c in ds.feed.consumers()}
+    # told how many it will never see; its age from the oldest change kept
+    assert (lags["dead"]["lag_changes"], lags["dead"]["lag_pruned"]) == (20, n)
+    assert (lags["slow"]["lag_changes"], lags["slow"]["lag_pruned"]) == (20, n)
+    assert 0.05 <= lags["dead"]["lag_seconds"] < 30
     failing = ds.subscribe("dead", lambda cs: None)
     with pytest.raises(bagstore.ChangesPruned, match=r"consumer 'dead' .* consumers reset dead"):
         failing.poll()
     failing.close()
     ds.feed.reset_consumer("dead")
-    again: list[bytes] = []
-    revived = ds.subscribe("dead", lambda cs: again.extend(c.id for c in cs))
+    again: list[Change] = []
+    revived = ds.subscribe("dead", again.extend)
     while revived.poll():
         pass
-    assert len(again) == len(kept)
+    assert sorted(c.id for c in again) == sorted(c.id for c in kept)
+    assert [c["lag_changes"] for c in ds.feed.consumers()] == [0, 20]
     with pytest.raises(bagstore.ChangesPruned, match="this cursor"):
         ds.changes(since=ds.feed.cursor({}))
 
@@ -547,9 +554,9 @@ def test_a_crashed_move_keeps_the_feed_whole(tmp_path: Path, point: str, ending:
 def test_module_doctests_pass() -> None:
     import doctest
 
-    from bagstore import changes, retention, subscriber
+    from bagstore import changes, consumeradmin, retention, subscriber
 
-    for module in (changes, subscriber, retention):
+    for module in (changes, subscriber, consumeradmin, retention):
         failed, attempted = doctest.testmod(module)
         assert failed == 0 and attempted > 0, module.__name__
 

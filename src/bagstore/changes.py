@@ -530,21 +530,22 @@ class Feed:
 
     def consumers(self) -> list[dict[str, Any]]:
         """Every consumer of the store (all kinds) and its lag: ``name``,
-        ``kind``, ``lag_changes``, ``lag_seconds``, ``processes``."""
-        from bagstore.subscriber import consumer_lags
+        ``kind``, ``lag_changes``, ``lag_seconds``, ``lag_pruned``,
+        ``processes`` (see :func:`bagstore.consumeradmin.consumer_lags`)."""
+        from bagstore.consumeradmin import consumer_lags
 
         return consumer_lags(self.other, self)
 
     def drop_consumer(self, name: str) -> None:
         """Forget a consumer: its positions and leases (InvalidQuery if unknown)."""
-        from bagstore.subscriber import drop_consumer
+        from bagstore.consumeradmin import drop_consumer
 
         drop_consumer(self, name)
 
     def reset_consumer(self, name: str, *, to: str = "start") -> None:
         """Set a consumer back to the oldest change kept (``"start"``) or on to
         after the newest (``"end"``)."""
-        from bagstore.subscriber import reset_consumer
+        from bagstore.consumeradmin import reset_consumer
 
         reset_consumer(self.other, self, name, to=to)
 

@@ -371,8 +371,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
         out.print(_index_table(indexes, report["index_writes"]))
     else:
         out.print("No indexes (add one with `bagstore index add`).")
-    for r in lags:
-        out.print(f"consumer {r['name']}: lag {r['lag_changes']} changes, {r['lag_seconds']} s")
+    cli_changes.print_lags(out, lags, status=True)
     advice = wal_reset_advice() if report.get("sqlite") else None
     if advice is not None:  # one line on stderr, only for a store of SQLite files
         logging.getLogger("bagstore.cli").warning(advice)

@@ -15,6 +15,7 @@ from bagstore.changes import Change
 from bagstore.cli import _out, _print_json, _store, cli
 from bagstore.cli_errors import Numbers
 from bagstore.cli_json import dumps_json
+from bagstore.consumeradmin import pruned_note
 from bagstore.retention import prune_changes
 
 
@@ -100,11 +101,20 @@ def consumers(ctx: click.Context, as_json: bool) -> None:
         return
     if not rows:
         click.echo("No consumers.")
+    print_lags(_out(), rows)
+
+
+def print_lags(out: Any, rows: list[dict[str, Any]], status: bool = False) -> None:
+    """Each consumer's lag, a line each (as ``bagstore status`` shows them with
+    ``status``), and what one whose unhandled changes were pruned is told."""
     for r in rows:
-        _out().print(
-            f"{r['name']}  kind {r['kind']!r}  lag {r['lag_changes']} changes, "
-            f"{r['lag_seconds']} s  processes {r['processes']}"
-        )
+        lag = f"lag {r['lag_changes']} changes, {r['lag_seconds']} s"
+        if status:
+            out.print(f"consumer {r['name']}: {lag}")
+        else:
+            out.print(f"{r['name']}  kind {r['kind']!r}  {lag}  processes {r['processes']}")
+        if r["lag_pruned"]:
+            out.print(f"  [bold red]{pruned_note(r)}[/]")
 
 
 @consumers.command("drop")

@@ -28,7 +28,8 @@ import time
 
 from bagstore.backends import changesql as sql
 from bagstore.changes import Feed
-from bagstore.subscriber import CONSUMERS, consumer_positions
+from bagstore.consumeradmin import consumer_positions
+from bagstore.subscriber import CONSUMERS
 
 __all__ = ["prune_changes"]
 

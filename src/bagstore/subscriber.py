@@ -46,7 +46,7 @@ from bagstore.errors import ConfigurationError, InvalidQuery
 from bagstore.feedpage import Change, decode_positions, encode_positions, positions_after
 from bagstore.throttle import check_seconds
 
-__all__ = ["Subscriber", "consumer_lags", "drop_consumer", "reset_consumer"]
+__all__ = ["Subscriber", "range_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -520,81 +520,3 @@ class Subscriber:
             )
         self.held.clear()
         self.catalog.delete_where(MEMBERS, {"name": self.name, "member": self.member})
-
-
-# -- administration (bagstore consumers) ------------------------------------------------
-def consumer_positions(feed: Feed, name: str) -> dict[int, int]:
-    """Every bucket's position as the consumer's checkpoints hold it."""
-    out: dict[int, int] = {}
-    for (text,) in feed.catalog.select_all(RANGE_ROWS, ("positions",), {"name": name}):
-        out.update(_loaded(str(text))[1])
-    return out
-
-
-def consumer_lags(feeds: Callable[[str], Feed], catalog_feed: Feed) -> list[dict[str, Any]]:
-    """Each consumer: name, kind, changes not yet handled, the age in seconds
-    of the oldest of them (0 when none), live processes."""
-    out: list[dict[str, Any]] = []
-    now = _now()
-    for name, kind in catalog_feed.catalog.select_all(CONSUMERS, ("name", "kind")):
-        feed = feeds(str(kind))
-        positions = consumer_positions(feed, str(name))
-        ends = feed.ends()
-        behind = {
-            b: positions.get(b, 0) for b, (top, _) in ends.items() if top > positions.get(b, 0)
-        }
-        changes = sum(ends[b][0] - at for b, at in behind.items())
-        oldest = _oldest(feed, behind)
-        members = feed.catalog.select_all(MEMBERS, ("seen",), {"name": name})
-        out.append(
-            {
-                "name": str(name),
-                "kind": str(kind),
-                "lag_changes": changes,
-                "lag_seconds": round(max(0, now - oldest) / 1e6, 3) if oldest else 0.0,
-                "processes": sum(1 for (s,) in members if int(s) > now - 60_000_000),
-            }
-        )
-    return sorted(out, key=lambda d: d["name"])
-
-
-def _oldest(feed: Feed, behind: dict[int, int]) -> int | None:
-    """The ``updated`` of the oldest first unhandled change of ``behind``'s buckets."""
-    from bagstore.backends import changesql
-
-    placement = feed.router.placement
-    by_shard: dict[int, list[tuple[int, int]]] = {}
-    for b, at in behind.items():
-        by_shard.setdefault(placement.shard_of_bucket[b], []).append((b, at + 1))
-    backends = feed.router.backends
-    firsts: list[int] = []
-    for shard, where in by_shard.items():
-        firsts += changesql.first_updated(backends[shard], feed.kind, where).values()
-    return min(firsts) if firsts else None
-
-
-def drop_consumer(feed: Feed, name: str) -> None:
-    """Forget a consumer (its positions and leases)."""
-    _known(feed, name)
-    for table in (RANGE_ROWS, MEMBERS, CONSUMERS):
-        feed.catalog.delete_where(table, {"name": name})
-
-
-def reset_consumer(feeds: Callable[[str], Feed], catalog_feed: Feed, name: str, *, to: str) -> None:
-    """Move a consumer to the oldest change kept (``to="start"``) or after the
-    newest (``to="end"``); its leases are given up."""
-    kind, ranges = _known(catalog_feed, name)
-    if to not in ("start", "end"):
-        raise InvalidQuery(f"reset to 'start' or 'end', not {to!r}")
-    feed = feeds(kind)
-    epoch = feed.epoch()  # (before the positions are read, as for a new consumer)
-    ends = feed.ends()
-    buckets = feed.router.placement.buckets
-    for no in range(ranges):
-        mine = range_buckets(buckets, ranges, no)
-        positions = {b: (ends[b][0] if to == "end" else ends[b][1]) for b in mine if b in ends}
-        feed.catalog.update(
-            RANGE_ROWS,
-            {"positions": _stored(epoch, positions), "owner": "", "lease_until": 0},
-            {"name": name, "range_no": no},
-        )
