@@ -74,7 +74,7 @@ class Consumers(RuleBasedStateMachine):
     def poll(self, data: st.DataObject) -> None:
         proc = self.procs[data.draw(st.sampled_from(sorted(self.procs)))]
         proc.poll()
-        mine = {no for no, _, owner, _ in proc._rows() if owner == proc.member}
+        mine = {no for no, _, owner, _, _ in proc._rows() if owner == proc.member}
         assert set(proc.held) <= mine, (sorted(proc.held), sorted(mine))
 
     @rule(data=st.data())

@@ -378,7 +378,8 @@ class Feed:
         raise ChangesPruned(
             f"{whom} of kind {self.kind!r} fell behind the changes kept: bucket {bucket} "
             f"was read to position {at}, but changes up to {pruned} were deleted by "
-            f"retention (max_age / max_changes); {fix}"
+            f"retention (max_age / max_changes); {fix}",
+            bucket=bucket,
         )
 
     # -- cursors -------------------------------------------------------------------

@@ -55,13 +55,26 @@ def consumer_lags(feeds: Callable[[str], Feed], catalog_feed: Feed) -> list[dict
     """Each consumer: name, kind, changes not yet handled, the age in seconds
     of the oldest of them kept (0 when none), how many of them retention
     deleted (its next poll raises :class:`bagstore.ChangesPruned`), live
-    processes."""
+    processes.  A range not yet checkpointed since the consumer was made or
+    reset counts from the oldest change kept, where it will start
+    (:meth:`bagstore.subscriber.Subscriber._lift`)."""
     out: list[dict[str, Any]] = []
     now = _now()
-    for name, kind in catalog_feed.catalog.select_all(CONSUMERS, ("name", "kind")):
+    for name, kind, ranges in catalog_feed.catalog.select_all(
+        CONSUMERS, ("name", "kind", "ranges")
+    ):
         feed = feeds(str(kind))
-        positions = consumer_positions(feed, str(name))
         ends = feed.ends()
+        buckets = feed.router.placement.buckets
+        positions: dict[int, int] = {}
+        columns = ("range_no", "positions", "checkpointed")
+        for no, text, checkpointed in feed.catalog.select_all(RANGE_ROWS, columns, {"name": name}):
+            at = _loaded(str(text))[1]
+            if not int(checkpointed):  # from the oldest change kept
+                for b in range_buckets(buckets, int(ranges), int(no)):
+                    if b in ends and ends[b][1] > at.get(b, 0):
+                        at[b] = ends[b][1]
+            positions.update(at)
         behind = {
             b: positions.get(b, 0) for b, (top, _) in ends.items() if top > positions.get(b, 0)
         }
@@ -126,6 +139,11 @@ def reset_consumer(feeds: Callable[[str], Feed], catalog_feed: Feed, name: str, 
         positions = {b: (ends[b][0] if to == "end" else ends[b][1]) for b in mine if b in ends}
         feed.catalog.update(
             RANGE_ROWS,
-            {"positions": _stored(epoch, positions), "owner": "", "lease_until": 0},
+            {
+                "positions": _stored(epoch, positions),
+                "owner": "",
+                "lease_until": 0,
+                "checkpointed": 0,
+            },  # (started anew: see Subscriber._lift)
             {"name": name, "range_no": no},
         )

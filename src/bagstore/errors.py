@@ -100,7 +100,12 @@ class InvalidQuery(BagstoreError, ValueError):
 
 class ChangesPruned(InvalidQuery):
     """A change feed cursor or consumer is behind the changes kept: retention
-    deleted changes it had not read (reset the consumer, or read from the start)."""
+    deleted changes it had not read (reset the consumer, or read from the start).
+    ``bucket``: the bucket found so, when one was."""
+
+    def __init__(self, message: str, *, bucket: int | None = None) -> None:
+        super().__init__(message)
+        self.bucket = bucket
 
 
 class ChangesLost(ChangesPruned):

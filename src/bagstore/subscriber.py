@@ -42,7 +42,7 @@ from typing import Any
 
 from bagstore.backends.consumersql import checkpoint_ranges, renew_leases
 from bagstore.changes import Feed
-from bagstore.errors import ConfigurationError, InvalidQuery
+from bagstore.errors import ChangesPruned, ConfigurationError, InvalidQuery
 from bagstore.feedpage import Change, decode_positions, encode_positions, positions_after
 from bagstore.throttle import check_seconds
 
@@ -68,6 +68,9 @@ CONSUMERS, RANGE_ROWS, MEMBERS = (
     "bagstore_consumer_members",
 )
 Handler = Callable[[list[Change]], Any]
+#: a poll's reads again after moving a range that had handled nothing on
+#: past changes pruned (:meth:`Subscriber._lift`), at most
+_LIFTS = 4
 _BUCKET = itemgetter(0)
 
 
@@ -178,15 +181,19 @@ class Subscriber:
         self.held: dict[int, dict[int, int]] = {}
         #: range -> the feed's epoch its positions were read in
         self.epochs: dict[int, int] = {}
+        #: ranges held not yet read by a poll that ended well since the
+        #: consumer was made or reset (their start: the oldest change kept;
+        #: see _lift)
+        self._unstarted: set[int] = set()
         self._closed = False
         self._in_handler = False  # (run() tells a handler's failure from the feed's)
+        self._handled = 0  # changes handled by the poll going on
 
     # -- leases --------------------------------------------------------------------
-    def _rows(self) -> list[tuple[int, str, str, int]]:
-        rows = self.catalog.select_all(
-            RANGE_ROWS, ("range_no", "positions", "owner", "lease_until"), {"name": self.name}
-        )
-        return [(int(r), str(p), str(o), int(u)) for r, p, o, u in rows]
+    def _rows(self) -> list[tuple[int, str, str, int, int]]:
+        columns = ("range_no", "positions", "owner", "lease_until", "checkpointed")
+        rows = self.catalog.select_all(RANGE_ROWS, columns, {"name": self.name})
+        return [(int(r), str(p), str(o), int(u), int(c)) for r, p, o, u, c in rows]
 
     def balance(self) -> None:
         """Heartbeat; renew this process's leases; take or give ranges so that
@@ -208,7 +215,7 @@ class Subscriber:
         seen = self.catalog.select_all(MEMBERS, ("member", "seen"), {"name": self.name})
         live = sum(1 for _, s in seen if int(s) > now - self.lease_us)
         share = -(-self.ranges // max(1, live))
-        for no, _, owner, until in rows:
+        for no, _, owner, until, _ in rows:
             if no in self.held and (owner != self.member or until <= now):
                 del self.held[no]  # lapsed: another process may have it now
         held = sorted(self.held)
@@ -225,7 +232,7 @@ class Subscriber:
                 {"name": self.name, "range_no": no, "owner": self.member},
             )
             del self.held[no]
-        for no, _positions, owner, until in rows:
+        for no, _positions, owner, until, _ in rows:
             if len(self.held) >= share:
                 break
             if no in self.held or (owner and until > now):
@@ -236,8 +243,13 @@ class Subscriber:
                 {"name": self.name, "range_no": no, "owner": owner, "lease_until": until},
             )
             if taken:
-                fresh = [p for r, p, _, _ in self._rows() if r == no]
-                self.epochs[no], self.held[no] = _loaded(fresh[0] if fresh else "")
+                fresh = [(p, c) for r, p, _, _, c in self._rows() if r == no]
+                text, checkpointed = fresh[0] if fresh else ("", 0)
+                self.epochs[no], self.held[no] = _loaded(text)
+                if checkpointed:
+                    self._unstarted.discard(no)
+                else:
+                    self._unstarted.add(no)
 
     def _owned(self) -> set[int]:
         """The ranges whose lease this process holds, as the catalog says."""
@@ -262,14 +274,48 @@ class Subscriber:
         then more while the poll is younger than :data:`POLL_SECONDS`.
         Returns the changes handled.  A handler's exception propagates; its
         batch's position is not advanced."""
-        self._in_handler = False
+        handled = 0
+        for attempt in range(_LIFTS + 1):
+            try:
+                handled += self._poll()
+                break
+            except ChangesPruned as exc:
+                handled += self._handled  # (the batches handled before it)
+                if attempt == _LIFTS or self._in_handler or not self._lift(exc):
+                    raise
+        # a range read by a poll that ended well has started (checkpointed
+        # with its first batch, or now): from now on it is told what
+        # retention deletes before it handles it
+        begun = {no: self.held[no] for no in self._unstarted if no in self.held}
+        if begun:
+            self._checkpoints(begun)
+        return handled
+
+    def _lift(self, exc: ChangesPruned) -> bool:
+        """Whether ``exc``'s bucket is of a range not yet read by a poll that
+        ended well (:meth:`poll`) since the consumer was made or reset (it
+        started at the oldest change kept then), whose start retention
+        deleted since (by the cap, which heeds no consumer; a pass by age
+        keeps it: :mod:`bagstore.retention`): if so, that range starts at
+        the oldest change kept now, as a consumer made now would.  Any other
+        range is told (the error is raised)."""
+        no = None if exc.bucket is None else self._range_of[exc.bucket]
+        if type(exc) is not ChangesPruned or no not in self._unstarted or no not in self.held:
+            return False
+        at = self.held[no]
+        lows = self.feed.ends(range_buckets(self.buckets, self.ranges, no))
+        self.held[no] = {**at, **{b: low for b, (_, low) in lows.items() if low > at.get(b, 0)}}
+        log.info("consumer %s: range %d starts at the oldest change kept (%s)", self.name, no, exc)
+        return True
+
+    def _poll(self) -> int:
+        self._in_handler, self._handled = False, 0
         self.balance()
         if self.held and self.feed.in_commit_order():
             return self._poll_together()
         # every bucket's positions read once for all the ranges held (one
         # statement, not one a range: ~2 ms each on MariaDB)
         batches = self._read_ranges(self.feed.holders(polled=True) if self.held else None)
-        handled = 0
         # A batch handled and not checkpointed yet: its checkpoint goes with
         # the next batch's lease renewal, one commit (not two) a batch.
         done: dict[int, dict[int, int]] = {}
@@ -282,7 +328,7 @@ class Subscriber:
                 self._in_handler = True
                 self.handler(changes)
                 self._in_handler = False
-                handled += len(changes)
+                self._handled += len(changes)
                 done = {no: after}
         except BaseException:
             if done:  # (a later range's read failed)
@@ -292,7 +338,7 @@ class Subscriber:
                     log.warning("consumer %s: a checkpoint failed", self.name, exc_info=True)
             raise
         self._checkpoints(done)
-        return handled
+        return self._handled
 
     def _young_until(self) -> float:
         """When (``time.monotonic()``) a poll starting now stops going on past
@@ -346,7 +392,6 @@ class Subscriber:
         batch's renewal once :data:`CHECKPOINT_EVERY` seconds have passed
         since the last checkpoint, and at the end of the poll: a batch spans
         many ranges, and a range's positions are written whole."""
-        handled = 0
         pending: set[int] = set()  # ranges handled, not checkpointed yet
         # every range's positions before the last read (``start``) and after
         # it (``end``, the feed's: a read from it goes on), and how many of
@@ -414,7 +459,7 @@ class Subscriber:
                 self._in_handler = True
                 self.handler(changes)
                 self._in_handler = False
-                handled += len(changes)
+                self._handled += len(changes)
                 pending |= set(kept)
                 if afresh is not None:
                     start, read, end, done = afresh, [], {}, 0
@@ -431,7 +476,7 @@ class Subscriber:
             raise
         if pending:
             self._checkpoints(self._slices(now(), pending))
-        return handled
+        return self._handled
 
     def _slices(self, positions: dict[int, int], ranges: set[int]) -> dict[int, dict[int, int]]:
         """Each of ``ranges``' positions, from ``positions`` (in bucket order)."""
@@ -474,6 +519,7 @@ class Subscriber:
             self.held.pop(no, None)
         for no in held & set(done):
             self.held[no] = done[no]
+        self._unstarted -= held & set(done)
         return held & set(renew)
 
     def run(

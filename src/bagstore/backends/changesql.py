@@ -481,7 +481,16 @@ def prune(
     ``older_than``, only the prefix of them older than that many µs), ``batch``
     rows per statement; record the last position deleted.  Returns ``(rows
     deleted, new pruned position)``."""
-    _d, p = backend.dialect, backend.dialect.param
+    low, upto = mark_pruned(backend, kind, bucket, upto, older_than)
+    return delete_pruned(backend, kind, bucket, low, upto, batch), upto
+
+
+def mark_pruned(
+    backend: Backend, kind: str, bucket: int, upto: int, older_than: int | None
+) -> tuple[int, int]:
+    """What :func:`prune` deletes, marked (``pruned`` set) before any row goes:
+    ``(the last position pruned before, the new)`` (the same when none)."""
+    p = backend.dialect.param
     if older_than is not None:
         rows = backend.fetchall(
             f"SELECT MIN(pos) FROM {CHANGES} WHERE kind = {p} AND bucket = {p} "
@@ -493,19 +502,33 @@ def prune(
     current = backend.fetchall(
         f"SELECT pruned FROM {POSITIONS} WHERE kind = {p} AND bucket = {p}", [kind, bucket]
     )
-    if not current or int(current[0][0]) >= upto:
-        return 0, int(current[0][0]) if current else 0
-    deleted = 0
-    low = int(current[0][0])
+    low = int(current[0][0]) if current else 0
+    if not current or low >= upto:
+        return low, low
     changeseq.raise_floor(backend, kind)
+    # Marked before the rows go: a reader that finds a row missing below the
+    # mark knows why (see bagstore.changes).
+    backend.update(POSITIONS, {"pruned": upto}, {"kind": kind, "bucket": bucket})
+    return low, upto
+
+
+def lower_mark(backend: Backend, kind: str, bucket: int, marked: int, to: int) -> bool:
+    """Set a bucket's ``pruned`` mark back from ``marked`` (its rows not
+    deleted yet) to ``to``; False if it is no longer ``marked``."""
+    where = {"kind": kind, "bucket": bucket, "pruned": marked}
+    return bool(backend.update(POSITIONS, {"pruned": to}, where))
+
+
+def delete_pruned(backend: Backend, kind: str, bucket: int, low: int, upto: int, batch: int) -> int:
+    """Delete a bucket's change rows after ``low`` up to its mark ``upto``,
+    ``batch`` rows a statement; how many."""
+    p = backend.dialect.param
+    deleted = 0
     while low < upto:
         high = min(upto, low + batch)
-        # Marked before the rows go: a reader that finds a row missing below
-        # the mark knows why (see bagstore.changes).
-        backend.update(POSITIONS, {"pruned": high}, {"kind": kind, "bucket": bucket})
         deleted += backend.execute(
             f"DELETE FROM {CHANGES} WHERE kind = {p} AND bucket = {p} AND pos > {p} AND pos <= {p}",
             [kind, bucket, low, high],
         )
         low = high
-    return deleted, upto
+    return deleted
