@@ -1,7 +1,8 @@
 """Retention against consumers made or reset while it prunes: a pass that
 read the consumers before one was made keeps the changes it starts from
 (bagstore.retention), and a range not yet read starts at the
-oldest change kept when its start was pruned all the same (by the cap)."""
+oldest change kept when its start was pruned all the same (by the cap); a
+bucket moved while a pass prunes it keeps no row below its mark."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import pytest
 
 import bagstore
-from bagstore import retention
+from bagstore import retention, testing
 from bagstore.changes import Change, Feed
 from tests.conftest import Topology
 
@@ -81,3 +82,48 @@ def test_a_range_not_yet_read_starts_at_the_oldest_kept(topo: Topology) -> None:
     assert (lag["lag_changes"], lag["lag_pruned"]) == (40, pruned - len(kept))
     with pytest.raises(bagstore.ChangesPruned, match="consumer 'new'"):
         ds.subscribe("new", got.extend).poll()
+
+
+@pytest.mark.parametrize("when", ["before", "between"])
+def test_a_bucket_moved_as_a_pass_prunes_it_keeps_no_row_below_its_mark(
+    topo: Topology, when: str
+) -> None:
+    """A pass marked a bucket's oldest changes (its rows not deleted yet)
+    before a move's copy of it, or between the copy and the move's last
+    sync: the moved bucket holds none of them, and the feed reads every
+    change above the mark once."""
+    from bagstore.backends import changesql
+
+    ds = topo.open(buckets=8)
+    ds.feed.enable()
+    ds.put_many([{"n": i} for i in range(80)])
+    page = ds.changes(limit=1000)
+    bucket = page[0].bucket
+    source = ds.placement.shard_of_bucket[bucket]
+    to = (source + 1) % len(ds.router.backends)
+    positions = sorted(c.position for c in page if c.bucket == bucket)
+    mark = positions[len(positions) // 2]
+
+    def marked() -> None:  # (the pass's rows not deleted yet)
+        changesql.mark_pruned(ds.router.backends[source], ds.kind, bucket, mark, None)
+
+    mover = bagstore.Mover(ds, grace=0)
+    if when == "before":
+        marked()
+        mover.move([bucket], to=to)
+    else:
+        with testing.failpoint("move.after_copy"), pytest.raises(testing.SimulatedCrash):
+            mover.move([bucket], to=to)
+        marked()
+        mover.resume()
+    ds.refresh_placement(force=True)
+    assert ds.placement.shard_of_bucket[bucket] == to
+    held = ds.router.backends[to].fetchall(
+        f"SELECT pos FROM bagstore_changes WHERE bucket = {'%s' if topo.is_mysql else '?'} "
+        "ORDER BY pos",
+        [bucket],
+    )
+    above = [p for p in positions if p > mark]
+    assert [int(p) for (p,) in held] == above
+    read = [c.position for c in ds.changes(limit=1000) if c.bucket == bucket]
+    assert read == above

@@ -27,14 +27,17 @@ def sync_bucket_changes(
     """Copy a bucket's change rows that ``dst`` lacks, up to ``step`` rows per
     statement (fewer while the rows are large: ~:data:`_COPY_BYTES` a
     statement), then its position rows: change rows are never rewritten, so
-    those above ``dst``'s highest are all it lacks.  ``after_step(rows,
+    those above ``dst``'s highest are all it lacks.  Rows at or below the
+    source's ``pruned`` mark are going (:mod:`bagstore.retention` marks
+    before it deletes): not copied, and those an earlier sync copied before
+    they were marked are deleted from ``dst``.  ``after_step(rows,
     started)`` after each statement (the mover's pacing).  Returns rows copied."""
     copied = 0
     have = sql.bucket_change_tops(dst, bucket)
     tops = sql.bucket_positions(src, bucket)
     size = SizedBatch(step, _COPY_BYTES)
-    for kind, (top, _) in tops.items():
-        after = have.get(kind, 0)
+    for kind, (top, pruned) in tops.items():
+        after = max(have.get(kind, 0), pruned)
         while after < top:
             started = time.monotonic()
             rows = sql.bucket_change_rows(src, kind, bucket, after, size.rows)
@@ -47,4 +50,6 @@ def sync_bucket_changes(
             if after_step is not None:
                 after_step(len(rows), started)
     sql.set_positions(dst, bucket, tops)
+    for kind, (_, pruned) in tops.items():
+        sql.delete_marked(dst, kind, bucket, pruned, step)
     return copied

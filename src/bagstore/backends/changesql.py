@@ -519,6 +519,20 @@ def lower_mark(backend: Backend, kind: str, bucket: int, marked: int, to: int) -
     return bool(backend.update(POSITIONS, {"pruned": to}, where))
 
 
+def delete_marked(backend: Backend, kind: str, bucket: int, pruned: int, batch: int) -> int:
+    """Delete a bucket's change rows at or below its mark ``pruned`` that are
+    here still (copied by a bucket move before a pass marked them); how many."""
+    p = backend.dialect.param
+    rows = backend.fetchall(
+        f"SELECT MIN(pos) FROM {CHANGES} WHERE kind = {p} AND bucket = {p} AND pos <= {p}",
+        [kind, bucket, pruned],
+    )
+    if not rows or rows[0][0] is None:
+        return 0
+    changeseq.raise_floor(backend, kind)
+    return delete_pruned(backend, kind, bucket, int(rows[0][0]) - 1, pruned, batch)
+
+
 def delete_pruned(backend: Backend, kind: str, bucket: int, low: int, upto: int, batch: int) -> int:
     """Delete a bucket's change rows after ``low`` up to its mark ``upto``,
     ``batch`` rows a statement; how many."""
