@@ -127,3 +127,31 @@ def test_a_bucket_moved_as_a_pass_prunes_it_keeps_no_row_below_its_mark(
     assert [int(p) for (p,) in held] == above
     read = [c.position for c in ds.changes(limit=1000) if c.bucket == bucket]
     assert read == above
+
+
+def test_ranges_moved_on_to_buckets_new_to_them_checkpoint_every_bucket(topo: Topology) -> None:
+    """Ranges of several buckets, made when few of their buckets had changes,
+    moved on past the cap's deletions to buckets their positions did not
+    hold: each handles the changes kept once, and their checkpoints hold
+    every bucket (nothing again, nothing told, after more writes)."""
+    ds = topo.open(buckets=64)
+    ds.feed.enable(max_changes=2)
+    ds.put({"n": -1})
+    ds.subscribe("new", lambda cs: None).close()
+    ds.put_many([{"n": i} for i in range(400)])
+    assert bagstore.Cleaner(ds).prune_changes() > 0
+    kept = ds.changes()
+    got: list[Change] = []
+    new = ds.subscribe("new", got.extend)
+    while new.poll():
+        pass
+    new.close()
+    assert sorted(c.id for c in got) == sorted(c.id for c in kept)
+    assert [(c["lag_changes"], c["lag_pruned"]) for c in ds.feed.consumers()] == [(0, 0)]
+    more = ds.put_many([{"n": i} for i in range(100)])
+    got.clear()
+    again = ds.subscribe("new", got.extend)
+    while again.poll():
+        pass
+    again.close()
+    assert sorted(c.id for c in got) == sorted(more)

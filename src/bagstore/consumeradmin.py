@@ -31,6 +31,7 @@ from bagstore.subscriber import (
     _loaded,
     _now,
     _stored,
+    lifted,
     range_buckets,
 )
 
@@ -71,9 +72,7 @@ def consumer_lags(feeds: Callable[[str], Feed], catalog_feed: Feed) -> list[dict
         for no, text, checkpointed in feed.catalog.select_all(RANGE_ROWS, columns, {"name": name}):
             at = _loaded(str(text))[1]
             if not int(checkpointed):  # from the oldest change kept
-                for b in range_buckets(buckets, int(ranges), int(no)):
-                    if b in ends and ends[b][1] > at.get(b, 0):
-                        at[b] = ends[b][1]
+                at = lifted(at, ends, range_buckets(buckets, int(ranges), int(no)))
             positions.update(at)
         behind = {
             b: positions.get(b, 0) for b, (top, _) in ends.items() if top > positions.get(b, 0)
@@ -137,13 +136,7 @@ def reset_consumer(feeds: Callable[[str], Feed], catalog_feed: Feed, name: str, 
     for no in range(ranges):
         mine = range_buckets(buckets, ranges, no)
         positions = {b: (ends[b][0] if to == "end" else ends[b][1]) for b in mine if b in ends}
-        feed.catalog.update(
-            RANGE_ROWS,
-            {
-                "positions": _stored(epoch, positions),
-                "owner": "",
-                "lease_until": 0,
-                "checkpointed": 0,
-            },  # (started anew: see Subscriber._lift)
-            {"name": name, "range_no": no},
-        )
+        # leases given up; not yet read since (checkpointed 0: Subscriber._lift)
+        anew = {"positions": _stored(epoch, positions), "owner": "", "lease_until": 0}
+        anew["checkpointed"] = 0
+        feed.catalog.update(RANGE_ROWS, anew, {"name": name, "range_no": no})

@@ -35,7 +35,7 @@ import secrets
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain
 from operator import itemgetter
 from typing import Any
@@ -46,7 +46,7 @@ from bagstore.errors import ChangesPruned, ConfigurationError, InvalidQuery
 from bagstore.feedpage import Change, decode_positions, encode_positions, positions_after
 from bagstore.throttle import check_seconds
 
-__all__ = ["Subscriber", "range_buckets"]
+__all__ = ["Subscriber", "lifted", "range_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,19 @@ def _check_name(name: object) -> str:
 def range_buckets(buckets: int, ranges: int, no: int) -> range:
     """The buckets of range ``no`` of ``ranges``."""
     return range(no * buckets // ranges, (no + 1) * buckets // ranges)
+
+
+def lifted(
+    at: dict[int, int], ends: dict[int, tuple[int, int]], buckets: Iterable[int]
+) -> dict[int, int]:
+    """``at`` (positions in bucket order) with each of ``buckets`` moved on to
+    its last pruned position (``ends``: :meth:`Feed.ends`) where that is past
+    it, in bucket order: where a range not yet read starts (:meth:`Subscriber._lift`)."""
+    moved = {b: ends[b][1] for b in buckets if b in ends and ends[b][1] > at.get(b, 0)}
+    if not moved:
+        return at
+    out = {**at, **moved}
+    return out if len(out) == len(at) else dict(sorted(out.items()))
 
 
 def _consumer(feed: Feed, name: str) -> tuple[str, int] | None:
@@ -296,16 +309,20 @@ class Subscriber:
         ended well (:meth:`poll`) since the consumer was made or reset (it
         started at the oldest change kept then), whose start retention
         deleted since (by the cap, which heeds no consumer; a pass by age
-        keeps it: :mod:`bagstore.retention`): if so, that range starts at
-        the oldest change kept now, as a consumer made now would.  Any other
-        range is told (the error is raised)."""
+        keeps it: :mod:`bagstore.retention`): if so, every such range held
+        starts at the oldest change kept now, as a consumer made now would
+        (one read of their buckets' positions).  Any other range is told
+        (the error is raised)."""
         no = None if exc.bucket is None else self._range_of[exc.bucket]
         if type(exc) is not ChangesPruned or no not in self._unstarted or no not in self.held:
             return False
-        at = self.held[no]
-        lows = self.feed.ends(range_buckets(self.buckets, self.ranges, no))
-        self.held[no] = {**at, **{b: low for b, (_, low) in lows.items() if low > at.get(b, 0)}}
-        log.info("consumer %s: range %d starts at the oldest change kept (%s)", self.name, no, exc)
+        spans = {r: range_buckets(self.buckets, self.ranges, r) for r in self._unstarted}
+        spans = {r: span for r, span in spans.items() if r in self.held}
+        ends = self.feed.ends(chain.from_iterable(spans.values()))
+        for r, span in spans.items():
+            self.held[r] = lifted(self.held[r], ends, span)
+        log.info("consumer %s: ranges not yet read start at the oldest change kept (%s)",
+                 self.name, exc)  # fmt: skip
         return True
 
     def _poll(self) -> int:
